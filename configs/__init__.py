@@ -1,0 +1,104 @@
+"""The one config dataclass. Defaults describe GPT-2 small on openwebtext; each module in configs/
+overrides only what differs (`config = replace(base, n_layer=48, ...)`) and launch.py overrides
+single fields from the command line (`--config.learning_rate=3e-4`)."""
+import dataclasses
+import importlib
+import math
+import pkgutil
+from typing import Literal
+
+
+class UsageError(ValueError):
+    """Bad user input (config, data, run directory): printed as one line, and the exit code is 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # data: <data_root>/<dataset>/{train,val}.bin and meta.json, written by `python data.py <dataset>`
+    dataset: str = "openwebtext"
+    data_root: str = "data"  # relative paths are relative to the repo
+    vocab_size: int = 50257  # the tokenizer's; the model pads it to a multiple of vocab_multiple
+    vocab_multiple: int = 128  # padded vocab -> matmul shapes the tensor cores like (GPT-2: 50304)
+
+    # model
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    mlp_ratio: int = 4
+    block_size: int = 1024
+    tie_embeddings: bool = False
+    norm_gain: bool = False  # learned RMSNorm gains; off by default: they break muP transfer (Lingle 2024)
+    rope_base: float = 10000.0
+    compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameters always stay float32
+    remat: Literal["none", "full", "save_dots"] = "none"  # what the backward pass recomputes
+    scan_unroll: int = 1  # layers per scan iteration; >1 trades compile time for speed
+
+    # optimisation: AdamW, linear warmup then cosine decay to min_lr at max_steps
+    batch_size: int = 512  # sequences per step, global (over all devices and microbatches)
+    grad_accum: int = 1  # microbatches per step, accumulated in one jitted lax.scan
+    max_steps: int = 20000
+    learning_rate: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 700
+    # Independent weight decay: every step p -= weight_decay * (lr_t / learning_rate) * p, for
+    # matrices only, whatever each parameter's LR multiplier. AdamW's lr * wd: 6e-4 * 0.1 = 6e-5.
+    weight_decay: float = 6e-5
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # global gradient norm
+
+    # evaluation and logging
+    eval_interval: int = 500  # steps between evaluations (and the last step)
+    eval_batches: int = 20  # fixed microbatches of train and of val data per evaluation
+    log_interval: int = 10  # steps between host syncs for the progress bar and tensorboard
+    seed: int = 0
+
+    # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes
+    mesh_replica: int = 1  # devices on the replica axis; the rest go to fsdp
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+    @property
+    def model_vocab(self) -> int:
+        return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.grad_accum
+
+    def check(self, n_devices: int) -> None:
+        """Raise UsageError for a config that cannot run on n_devices, naming the field."""
+        fsdp = n_devices // self.mesh_replica
+        problems = [
+            (self.d_model % self.n_head, f"d_model={self.d_model} is not divisible by n_head={self.n_head}"),
+            (self.head_dim % 2, f"head_dim={self.head_dim} (d_model/n_head) is odd; RoPE rotates pairs, so pick an even one"),
+            (n_devices % self.mesh_replica, f"mesh_replica={self.mesh_replica} does not divide the {n_devices} devices"),
+            (self.batch_size % (n_devices * self.grad_accum),
+             f"batch_size={self.batch_size} is not divisible by devices x grad_accum = {n_devices} x {self.grad_accum}"),
+            (self.d_model % fsdp, f"d_model={self.d_model} is not divisible by the fsdp axis size {fsdp}; set mesh_replica"),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise UsageError(message)
+        for name in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "grad_accum", "max_steps",
+                     "eval_interval", "eval_batches", "log_interval", "vocab_size", "vocab_multiple", "scan_unroll"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
+
+
+def available() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__))
+
+
+def load(name: str) -> Config:
+    """The `config` object of configs/<name>.py."""
+    if name not in available():
+        raise UsageError(f"unknown config {name!r}; available: {', '.join(available())}")
+    return importlib.import_module(f"configs.{name}").config

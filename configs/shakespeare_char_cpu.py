@@ -1,0 +1,6 @@
+"""nanoGPT's CPU recipe sizes (4 layers, 4 heads, width 128, block 64, batch 12) in float32."""
+from configs import Config
+
+config = Config(dataset="shakespeare_char", vocab_size=65, n_layer=4, n_head=4, d_model=128, block_size=64,
+                batch_size=12, compute_dtype="float32", max_steps=2000, learning_rate=2e-3, min_lr=2e-4,
+                warmup_steps=100, weight_decay=2e-4, beta2=0.99, eval_interval=250, eval_batches=20)

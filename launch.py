@@ -1,0 +1,114 @@
+"""Train a GPT:  python launch.py --config=NAME [--rundir=DIR] [--debug] [--multihost] [--config.FIELD=VALUE ...]
+
+The config is configs/NAME.py with typed overrides from the command line; the run directory (default
+runs/NAME-TIMESTAMP) receives config.json, run.json (git commit, dirty tree, command), metrics.jsonl,
+tensorboard event files and, with --debug, a profiler trace of a few steps.
+"""
+import argparse
+import dataclasses
+import difflib
+import json
+import subprocess
+import sys
+import time
+import typing
+from pathlib import Path
+
+import configs
+from configs import Config, UsageError
+
+ROOT = Path(__file__).resolve().parent
+
+
+def parse_value(name: str, kind, text: str):
+    """text as the field's type: int, float, bool, str, or one of a Literal's values."""
+    if typing.get_origin(kind) is typing.Literal:
+        if text not in typing.get_args(kind):
+            raise UsageError(f"--config.{name}={text!r}: allowed values are {', '.join(typing.get_args(kind))}")
+        return text
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise UsageError(f"--config.{name}={text!r}: expected true or false")
+        return text.lower() in ("true", "1")
+    try:
+        return kind(text)
+    except ValueError:
+        raise UsageError(f"--config.{name}={text!r}: expected {kind.__name__}") from None
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply ["--config.FIELD=VALUE", ...]; an unknown field or a badly typed value is a UsageError."""
+    types = typing.get_type_hints(Config)
+    changes = {}
+    for arg in overrides:
+        if not arg.startswith("--config.") or "=" not in arg:
+            raise UsageError(f"unrecognised argument {arg!r}; overrides look like --config.FIELD=VALUE")
+        name, text = arg[len("--config."):].split("=", 1)
+        if name not in types:
+            near = difflib.get_close_matches(name, types, n=3)
+            raise UsageError(f"unknown config field {name!r}" + (f"; did you mean {' or '.join(near)}?" if near else
+                                                                   "; the fields are in configs/__init__.py"))
+        changes[name] = parse_value(name, types[name], text)
+    return dataclasses.replace(cfg, **changes)
+
+
+def git_state() -> dict:
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    status = git("status", "--porcelain")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def make_rundir(args, cfg: Config) -> Path:
+    """A new run directory with config.json and run.json. An existing run is never overwritten."""
+    rundir = Path(args.rundir or f"runs/{args.config}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (rundir / "config.json").exists():
+        raise UsageError(f"{rundir} already holds a run; pass a new --rundir")
+    try:
+        rundir.mkdir(parents=True, exist_ok=True)
+        (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
+        run = {"config_name": args.config, "argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+        (rundir / "run.json").write_text(json.dumps(run, indent=1))
+    except OSError as e:
+        raise UsageError(f"cannot write the run directory {rundir}: {e.strerror or e}") from None
+    return rundir
+
+
+def parse_args(argv: list[str]):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
+    ap.add_argument("--rundir", help="run directory (default runs/NAME-TIMESTAMP)")
+    ap.add_argument("--debug", action="store_true", help="profile a few steps into the run directory")
+    ap.add_argument("--multihost", action="store_true", help="jax.distributed.initialize() first (TPU pods, clusters)")
+    ap.add_argument("--coordinator_address", help="multi-host: host:port of process 0 (not needed on TPU VMs)")
+    ap.add_argument("--num_processes", type=int, help="multi-host: number of processes (not needed on TPU VMs)")
+    ap.add_argument("--process_id", type=int, help="multi-host: this process's index (not needed on TPU VMs)")
+    return ap.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = apply_overrides(configs.load(args.config), overrides)
+        import jax  # after parsing: a typo should not wait for jax to load
+
+        if args.multihost:
+            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+        cfg.check(jax.device_count())
+        import data
+        import train
+
+        if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
+            data.prepare_shakespeare_char(data.data_dir(cfg))
+        data.load_split(cfg, "train"), data.load_split(cfg, "val")  # bad data is reported before the run directory
+        rundir = make_rundir(args, cfg)
+        print(f"run directory {rundir}")
+        train.train(cfg, rundir, debug=args.debug)
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The GPT: token embedding -> L pre-norm blocks -> RMSNorm -> readout.
+
+Shapes: B batch, T time, D model width, H heads, K head dim, F mlp width, V vocab, L layers.
+Modules see one sequence (T tokens); train.py adds the batch with jax.vmap.
+"""
+import dataclasses
+import math
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from configs import Config
+
+
+def rms_norm(x_TD: Array, gain_D: Array | None) -> Array:
+    """RMSNorm in float32 whatever the compute dtype (bf16 sums of squares lose precision)."""
+    x = x_TD.astype(jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return (y if gain_D is None else y * gain_D).astype(x_TD.dtype)
+
+
+def layer_norm(x_THK: Array, gain_K: Array) -> Array:
+    """LayerNorm over the head dim, no bias: the QK-norm of Dehghani et al. 2023 (ViT-22B), which keeps
+    attention logits bounded so larger learning rates stay stable (Wortsman et al. 2023)."""
+    x = x_THK.astype(jnp.float32)
+    x = x - jnp.mean(x, axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * gain_K
+
+
+def rope(x_THK: Array, pos_T: Array, base: float) -> Array:
+    """Rotary position embedding (Su et al. 2021), rotate-half form: dims i and i + K/2 form a pair
+    rotated by angle pos * base^(-2i/K), so q.k depends on the positions' difference only."""
+    half = x_THK.shape[-1] // 2
+    freq_K2 = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_TK2 = pos_T.astype(jnp.float32)[:, None] * freq_K2
+    cos_T1K, sin_T1K = jnp.cos(angle_TK2)[:, None], jnp.sin(angle_TK2)[:, None]
+    x1, x2 = x_THK[..., :half], x_THK[..., half:]
+    return jnp.concatenate([x1 * cos_T1K - x2 * sin_T1K, x2 * cos_T1K + x1 * sin_T1K], axis=-1)
+
+
+class Attention(eqx.Module):
+    qkv: Float[Array, "D 3 H K"]
+    out: Float[Array, "H K D"]
+    q_norm: Float[Array, "K"]
+    k_norm: Float[Array, "K"]
+    scale: float = eqx.field(static=True)  # attention logit multiplier
+    rope_base: float = eqx.field(static=True)
+    dtype: str = eqx.field(static=True)
+    impl: str | None = eqx.field(static=True)  # jax.nn.dot_product_attention implementation
+
+    def project(self, x_TD: Array, pos_T: Array) -> tuple[Array, Array, Array]:
+        """Queries, keys and values of one sequence; sample.py calls this to fill its KV cache."""
+        D, _, H, K = self.qkv.shape
+        qkv_T3HK = (x_TD @ self.qkv.astype(self.dtype).reshape(D, 3 * H * K)).reshape(-1, 3, H, K)
+        q_THK, k_THK, v_THK = qkv_T3HK[:, 0], qkv_T3HK[:, 1], qkv_T3HK[:, 2]
+        q_THK = rope(layer_norm(q_THK, self.q_norm), pos_T, self.rope_base).astype(self.dtype)
+        k_THK = rope(layer_norm(k_THK, self.k_norm), pos_T, self.rope_base).astype(self.dtype)
+        return q_THK, k_THK, v_THK
+
+    def __call__(self, x_TD: Array, pos_T: Array) -> Array:
+        q_THK, k_THK, v_THK = self.project(x_TD, pos_T)
+        # Softmax in float32 inside; cuDNN flash attention on GPU when impl="cudnn".
+        o_THK = jax.nn.dot_product_attention(q_THK, k_THK, v_THK, scale=self.scale, is_causal=True,
+                                             implementation=self.impl)
+        T, H, K = o_THK.shape
+        return o_THK.reshape(T, H * K) @ self.out.astype(self.dtype).reshape(H * K, -1)
+
+
+class MLP(eqx.Module):
+    up: Float[Array, "D F"]
+    down: Float[Array, "F D"]
+    dtype: str = eqx.field(static=True)
+
+    def __call__(self, x_TD: Array) -> Array:
+        h_TF = jax.nn.gelu(x_TD @ self.up.astype(self.dtype))
+        return h_TF @ self.down.astype(self.dtype)
+
+
+class Block(eqx.Module):
+    attn_norm: Float[Array, "D"] | None  # RMSNorm gains, only with cfg.norm_gain
+    attn: Attention
+    mlp_norm: Float[Array, "D"] | None
+    mlp: MLP
+
+    def __call__(self, x_TD: Array, pos_T: Array) -> Array:
+        x_TD = x_TD + self.attn(rms_norm(x_TD, self.attn_norm), pos_T)
+        return x_TD + self.mlp(rms_norm(x_TD, self.mlp_norm))
+
+
+class Embeddings(eqx.Module):
+    embed: Float[Array, "V D"]
+    unembed: Float[Array, "V D"]  # the readout, stored like embed so eqx.nn.Shared can tie the two
+
+
+REMAT_POLICIES = {  # what the backward pass may keep instead of recomputing, per block
+    # "none": no jax.checkpoint at all, keep everything: fastest, most memory
+    "full": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
+    # keep weight matmul outputs, recompute attention scores and elementwise ops
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class GPT(eqx.Module):
+    emb: Embeddings | eqx.nn.Shared  # Shared when cfg.tie_embeddings: one array, two uses
+    blocks: Block  # stacked by eqx.filter_vmap: every array has a leading L axis
+    final_norm: Float[Array, "D"] | None
+    dtype: str = eqx.field(static=True)
+    remat: Literal["none", "full", "save_dots"] = eqx.field(static=True)
+    unroll: int = eqx.field(static=True)
+
+    def embeddings(self) -> Embeddings:
+        return self.emb() if isinstance(self.emb, eqx.nn.Shared) else self.emb
+
+    def __call__(self, tokens_T: Int[Array, "T"]) -> Float[Array, "T V"]:
+        """Logits in float32 for one sequence."""
+        emb = self.embeddings()
+        pos_T = jnp.arange(tokens_T.shape[0])
+        x_TD = emb.embed[tokens_T].astype(self.dtype)
+        x_TD = self.run_blocks(x_TD, pos_T)
+        h_TD = rms_norm(x_TD, self.final_norm)
+        return jnp.einsum("TD,VD->TV", h_TD, emb.unembed.astype(self.dtype)).astype(jnp.float32)
+
+    def run_blocks(self, x_TD: Array, pos_T: Array) -> Array:
+        """All L blocks by lax.scan over the stacked parameters: compile time does not grow with depth."""
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def layer(x_TD, block_params):
+            return eqx.combine(block_params, static)(x_TD, pos_T), None
+
+        if self.remat != "none":  # prevent_cse=False is safe and faster inside scan (jax.checkpoint docs)
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
+        return jax.lax.scan(layer, x_TD, params, unroll=self.unroll)[0]
+
+
+def init_gpt(cfg: Config, key: Array) -> GPT:
+    """A GPT whose parameters are drawn as the policy table says: init_mean + init_std * N(0, 1)."""
+    D, H, K, F, V = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.mlp_width, cfg.model_vocab
+    gain = lambda n: jnp.ones(n) if cfg.norm_gain else None
+    dt, impl = cfg.compute_dtype, attention_impl()
+
+    def block(_):  # shapes only: the values come from the table below
+        attn = Attention(jnp.zeros((D, 3, H, K)), jnp.zeros((H, K, D)), jnp.ones(K), jnp.ones(K),
+                         scale=1 / math.sqrt(K), rope_base=cfg.rope_base, dtype=dt, impl=impl)
+        return Block(gain(D), attn, gain(D), MLP(jnp.zeros((D, F)), jnp.zeros((F, D)), dtype=dt))
+
+    emb = Embeddings(jnp.zeros((V, D)), jnp.zeros((V, D)))
+    if cfg.tie_embeddings:
+        emb = eqx.nn.Shared(emb, where=lambda e: e.unembed, get=lambda e: e.embed)
+    blocks = eqx.filter_vmap(block)(jnp.arange(cfg.n_layer))
+    model = GPT(emb, blocks, gain(D), dtype=dt, remat=cfg.remat, unroll=cfg.scan_unroll)
+    params, static = eqx.partition(model, eqx.is_array)
+    leaves, treedef = jax.tree.flatten(params)
+    rows = jax.tree.leaves(policy_table(model, cfg), is_leaf=lambda x: isinstance(x, Policy))
+    keys = jax.random.split(key, len(leaves))
+    leaves = [row.init_mean + row.init_std * jax.random.normal(k, x.shape) for x, row, k in zip(leaves, rows, keys)]
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+
+
+def attention_impl() -> str | None:
+    """cuDNN flash attention on NVIDIA GPUs; elsewhere XLA's (on TPU, a Pallas splash kernel would go here)."""
+    return "cudnn" if jax.default_backend() == "gpu" else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """How one parameter is initialised, optimised and sharded."""
+    init_std: float  # parameter = init_mean + init_std * N(0, 1)
+    lr_mult: float  # multiplies the schedule's learning rate
+    decay: bool  # independent weight decay applies
+    spec: tuple  # PartitionSpec of one layer's array; stacked block arrays get None for L in front
+    init_mean: float = 0.0
+
+
+def policy_rows(cfg: Config) -> dict[str, Policy]:
+    """The per-parameter table: standard parametrization. Sharding: FSDP on the D axis of every
+    matrix (1-D gains are tiny and stay replicated)."""
+    D, F = cfg.d_model, cfg.mlp_width
+    gain = Policy(0.0, 1.0, False, (None,), init_mean=1.0)
+    return {
+        # name              init std         lr   decay  spec (one layer)
+        "emb.embed": Policy(1.0, 1.0, True, (None, "fsdp")),  # unit-scale token vectors
+        "emb.unembed": Policy(0.0, 1.0, True, (None, "fsdp")),  # zero readout: loss starts at ln V
+        "blocks.attn.qkv": Policy(1 / math.sqrt(D), 1.0, True, ("fsdp", None, None, None)),
+        "blocks.attn.out": Policy(1 / math.sqrt(D), 1.0, True, (None, None, "fsdp")),
+        "blocks.mlp.up": Policy(1 / math.sqrt(D), 1.0, True, ("fsdp", None)),
+        "blocks.mlp.down": Policy(1 / math.sqrt(F), 1.0, True, (None, "fsdp")),
+        "blocks.attn.q_norm": gain,
+        "blocks.attn.k_norm": gain,
+        "blocks.attn_norm": gain,
+        "blocks.mlp_norm": gain,
+        "final_norm": gain,
+    }
+
+
+def param_name(path) -> str:
+    """'blocks.attn.qkv' for a key path; eqx.nn.Shared's wrapper (.pytree) is not part of the name."""
+    return ".".join(k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey) and k.name != "pytree")
+
+
+def policy_table(model: GPT, cfg: Config):
+    """A pytree like the model's arrays with each parameter's Policy; every parameter needs a row."""
+    rows = policy_rows(cfg)
+    params = eqx.filter(model, eqx.is_array)
+    named = jax.tree_util.tree_flatten_with_path(params)[0]
+    missing = [param_name(path) for path, _ in named if param_name(path) not in rows]
+    assert not missing, f"parameters without a row in policy_rows: {missing}"
+
+    def row(path, x):
+        policy = rows[param_name(path)]
+        if param_name(path).startswith("blocks."):
+            policy = dataclasses.replace(policy, spec=(None, *policy.spec))
+        assert len(policy.spec) == x.ndim, f"{param_name(path)}: spec {policy.spec} for shape {x.shape}"
+        return policy
+
+    return jax.tree_util.tree_map_with_path(row, params)
+
+
+def partition_specs(model: GPT, cfg: Config):
+    return jax.tree.map(lambda p: P(*p.spec), policy_table(model, cfg), is_leaf=lambda x: isinstance(x, Policy))
+
+
+def count_params(model: GPT) -> int:
+    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))

@@ -1,0 +1,46 @@
+"""Shared test setup: the repo on sys.path, tiny configs, and the shakespeare_char data."""
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared"
+if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
+
+import configs  # noqa: E402
+
+
+def tiny(**overrides) -> configs.Config:
+    """A model small enough for a CPU test in seconds, on shakespeare_char."""
+    base = dict(dataset="shakespeare_char", vocab_size=65, n_layer=2, n_head=2, d_model=32, block_size=16,
+                batch_size=8, compute_dtype="float32", max_steps=10, warmup_steps=0, eval_interval=5,
+                eval_batches=2, log_interval=5)
+    return dataclasses.replace(configs.Config(), **{**base, **overrides})
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    """data/shakespeare_char prepared (from ../shared's copy of the text when the repo has none)."""
+    import data
+
+    out = ROOT / "data" / "shakespeare_char"
+    if not (out / "input.txt").exists() and (SHARED / "data/tinyshakespeare/input.txt").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(SHARED / "data/tinyshakespeare/input.txt", out / "input.txt")
+    if not (out / "meta.json").exists():
+        data.prepare_shakespeare_char(out)
+    return out
+
+
+def run(args: list[str], env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """A Python subprocess in the repo root (fresh JAX, own device count)."""
+    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)

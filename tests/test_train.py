@@ -1,0 +1,91 @@
+"""The train step: FSDP sharding, gradient accumulation, the schedule and the decay."""
+import dataclasses
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import train
+from conftest import ROOT, run, tiny
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp") / "d1.npz"
+    r = run([str(ROOT / "tests/fsdp_probe.py"), "1", str(out)])
+    assert r.returncode == 0, r.stderr
+    return np.load(out)
+
+
+@pytest.mark.parametrize("devices,replica", [(8, 1), (8, 2)])
+def test_fsdp_matches_one_device(one_device, tmp_path, devices, replica):
+    """Loss, gradients and the updated parameters on 8 devices (all FSDP, or 2 replicas x 4) equal
+    those on one; the probe asserts every large parameter really is split over the fsdp axis."""
+    out = tmp_path / "d8.npz"
+    r = run([str(ROOT / "tests/fsdp_probe.py"), str(devices), str(out), str(replica)])
+    assert r.returncode == 0, r.stderr
+    many = np.load(out)
+    assert set(many.files) == set(one_device.files)
+    for name in one_device.files:
+        np.testing.assert_allclose(many[name], one_device[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_accumulation_equals_one_big_batch():
+    cfg = tiny(batch_size=16)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab_size, (16, cfg.block_size)).astype(np.int32)
+    y = rng.integers(0, cfg.vocab_size, (16, cfg.block_size)).astype(np.int32)
+    results = []
+    for g in (1, 4):
+        s = train.setup(dataclasses.replace(cfg, grad_accum=g), train.make_mesh(cfg))
+        model, _, metrics = s.step(s.model, s.opt_state, x.reshape(g, -1, cfg.block_size), y.reshape(g, -1, cfg.block_size))
+        results.append((float(metrics["loss"]), jax.tree.leaves(eqx.filter(model, eqx.is_array))))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    for a, b in zip(results[0][1], results[1][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = tiny(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    lr = train.lr_schedule(cfg)
+    assert float(lr(0)) == pytest.approx(0.1)  # (step + 1) / warmup
+    assert float(lr(9)) == pytest.approx(1.0)
+    assert float(lr(10)) == pytest.approx(1.0)
+    assert float(lr(60)) == pytest.approx(0.55)  # halfway down the cosine: (1 + 0.1) / 2
+    assert float(lr(110)) == pytest.approx(0.1) and float(lr(500)) == pytest.approx(0.1)
+
+
+def test_weight_decay_is_independent_of_lr_and_only_on_matrices():
+    """With zero gradients the update is the decay alone: p * (1 - wd * lr_t / lr) on decayed
+    parameters, whatever the learning rate; the gains do not move."""
+    for lr in (1e-3, 1.0):
+        cfg = tiny(norm_gain=True, weight_decay=0.01, learning_rate=lr, min_lr=lr, warmup_steps=0)
+        s = train.setup(cfg, train.make_mesh(cfg))
+        params = eqx.filter(s.model, eqx.is_array)
+        opt = train.make_optimizer(cfg, train.policy_table(s.model, cfg))
+        zeros = jax.tree.map(np.zeros_like, params)
+        updates, _ = opt.update(zeros, opt.init(params), params)
+        np.testing.assert_allclose(updates.blocks.mlp.up, -0.01 * params.blocks.mlp.up, rtol=1e-6)
+        assert float(np.abs(updates.blocks.attn_norm).max()) == 0.0
+        assert float(np.abs(updates.blocks.attn.q_norm).max()) == 0.0
+
+
+def test_overfits_one_batch():
+    cfg = tiny(n_layer=2, d_model=64, n_head=2, learning_rate=3e-3, min_lr=3e-3, max_steps=150)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab_size, (1, 8, cfg.block_size)).astype(np.int32)
+    model, opt_state = s.model, s.opt_state
+    for _ in range(150):
+        model, opt_state, metrics = s.step(model, opt_state, x, np.roll(x, -1, axis=2))
+    assert float(metrics["loss"]) < 0.1
+
+
+def test_flops_per_token_counts_gpt2_small():
+    """GPT-2 small has 85M non-embedding weights (Kaplan et al. 2020 count 85M); with the 50304 x 768
+    readout that is 124M parameters in matmuls, and 6N + 12 L D T at T = 1024."""
+    cfg = tiny(n_layer=12, n_head=12, d_model=768, vocab_size=50257, block_size=1024)
+    n = 12 * 12 * 768**2 + 50304 * 768
+    assert n == pytest.approx(123.6e6, rel=1e-3)
+    assert train.flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024

@@ -1,0 +1,298 @@
+"""tpu_scripts/tpu.sh against a stub gcloud that records its argv and plays two TPU workers.
+
+The stub runs each `ssh --command=...` with `bash -c` in one home directory per worker, with a `python3`
+that records its argv, so the tests check what the worker's shell makes of the command, not only the
+local argv. `scp` copies the file into each worker's home.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tpu_scripts"
+SETTINGS = dict(TPU_NAME="my-tpu", ZONE="us-central2-b", PROJECT="my-proj", ACCELERATOR_TYPE="v4-32",
+                RUNTIME_VERSION="tpu-ubuntu2204-base")
+COMMON = ["--zone=us-central2-b", "--project=my-proj"]
+SSH = ["compute", "tpus", "tpu-vm", "ssh", "my-tpu", *COMMON]
+# An argument that a shell would split, unquote, expand or run if it were not quoted.
+TRICKY = """--config.note=a b 'c' "d" $HOME `echo hi`; *"""
+
+STUB_GCLOUD = f"""#!{sys.executable}
+import json, os, shutil, subprocess, sys
+from pathlib import Path
+base = Path(os.environ["STUB_DIR"])
+with open(base / "record.jsonl", "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+argv = sys.argv[1:]
+flags = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+homes = sorted((base / "workers").iterdir())
+if flags.get("worker", "all") != "all":
+    homes = [homes[int(flags["worker"])]]
+if argv[3:4] == ["ssh"]:
+    rc = 0
+    for home in homes:
+        env = dict(PATH=f"{{base / 'bin'}}:{{os.environ['PATH']}}", HOME=str(home), HOSTNAME=home.name)
+        rc |= subprocess.run(["bash", "-c", flags["command"]], cwd=home, env=env).returncode
+    sys.exit(rc)
+if argv[3:4] == ["scp"]:
+    src, dest = argv[4], argv[5].split(":", 1)[1]
+    for home in homes:
+        shutil.copy(src, home / dest)
+"""
+
+# python3 on the workers: records its argv and directory; as launch.py it waits for SIGTERM and records it.
+STUB_PYTHON = f"""#!{sys.executable}
+import json, os, signal, sys, time
+with open(os.path.expanduser("~/python3-calls.jsonl"), "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd()}}) + "\\n")
+if sys.argv[1:2] == ["launch.py"]:
+    def on_term(*_):
+        open(os.path.expanduser("~/got-signal"), "w").write("SIGTERM")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    print("42 parameters", flush=True)
+    print("\\rtrain: 0%\\rtrain: 1% step 0 loss 10.9", end="", flush=True)  # a tqdm bar, redrawn with \\r
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def stub(tmp_path):
+    """A copy of tpu_scripts/ in a fake repo, the stub gcloud and python3, and two worker homes."""
+    repo = tmp_path / "repo"
+    shutil.copytree(SCRIPTS, repo / "tpu_scripts", ignore=shutil.ignore_patterns("tpu.env"))
+    for rel in ["model.py", "requirements.txt", "configs/__init__.py", "data/owt/meta.json",
+                "data/owt/train.bin", "runs/old/metrics.jsonl", ".git/HEAD", "__pycache__/model.pyc",
+                "configs/__pycache__/x.pyc"]:
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(rel)
+    (tmp_path / "bin").mkdir()
+    for name, text in [("gcloud", STUB_GCLOUD), ("python3", STUB_PYTHON)]:
+        (tmp_path / "bin" / name).write_text(text)
+        (tmp_path / "bin" / name).chmod(0o755)
+    for i in range(2):
+        (tmp_path / "workers" / f"worker{i}").mkdir(parents=True)
+    (tmp_path / "tmp").mkdir()
+    yield tmp_path
+    for pidfile in tmp_path.glob("workers/*/mugpt-logs/train.pid"):  # a stub trainer left by a failed test
+        pid = pidfile.read_text().strip()
+        try:
+            if str(tmp_path / "bin/python3") in Path(f"/proc/{pid}/cmdline").read_text():
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
+def tpu(stub: Path, *args: str, **settings: str) -> subprocess.CompletedProcess:
+    """tpu_scripts/tpu.sh ARGS with the stub gcloud first on PATH and SETTINGS (or settings) in the environment."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS}
+    env.update(PATH=f"{stub / 'bin'}:{os.environ['PATH']}", STUB_DIR=str(stub), TMPDIR=str(stub / "tmp"),
+               **(SETTINGS if not settings else settings))
+    return subprocess.run(["bash", str(stub / "repo/tpu_scripts/tpu.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=20)
+
+
+def bash_quoted(word: str) -> str:
+    """word as bash's printf %q writes it (its style differs between bash versions)."""
+    return subprocess.run(["bash", "-c", 'printf %q "$1"', "-", word], capture_output=True, text=True).stdout
+
+
+def calls(stub: Path) -> list[list[str]]:
+    path = stub / "record.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def workers(stub: Path) -> list[Path]:
+    return sorted((stub / "workers").iterdir())
+
+
+def python3_calls(home: Path) -> list[dict]:
+    return [json.loads(line) for line in (home / "python3-calls.jsonl").read_text().splitlines()]
+
+
+def wait_for(predicate, timeout=10.0) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_create_on_demand_spot_and_queued(stub):
+    assert tpu(stub, "create").returncode == 0
+    assert tpu(stub, "create", "--spot").returncode == 0
+    assert tpu(stub, "create", "--queued", "--spot", "--", "--network=my net").returncode == 0
+    base = ["compute", "tpus", "tpu-vm", "create", "my-tpu", *COMMON, "--accelerator-type=v4-32",
+            "--version=tpu-ubuntu2204-base"]
+    queued = ["compute", "tpus", "queued-resources", "create", "my-tpu", "--node-id=my-tpu", *COMMON,
+              "--accelerator-type=v4-32", "--runtime-version=tpu-ubuntu2204-base", "--spot", "--network=my net"]
+    assert calls(stub) == [base, base + ["--spot"], queued]
+    bad = tpu(stub, "create", "--preemptible")
+    assert bad.returncode != 0 and "--preemptible" in bad.stderr and len(calls(stub)) == 3
+
+
+def test_delete(stub):
+    assert tpu(stub, "delete").returncode == 0
+    assert tpu(stub, "delete", "--queued").returncode == 0
+    assert calls(stub) == [["compute", "tpus", "tpu-vm", "delete", "my-tpu", *COMMON],
+                           ["compute", "tpus", "queued-resources", "delete", "my-tpu", *COMMON, "--force"]]
+
+
+def test_copy_sends_the_repo_without_runs_bins_git_and_bytecode(stub):
+    r = tpu(stub, "copy")
+    assert r.returncode == 0, r.stderr
+    scp, ssh = calls(stub)
+    assert scp[:4] == ["compute", "tpus", "tpu-vm", "scp"]
+    assert Path(scp[4]).parent.parent == stub / "tmp" and Path(scp[4]).name == "mugpt.tar.gz"
+    assert scp[5:] == ["my-tpu:mugpt.tar.gz", *COMMON, "--worker=all"]
+    assert ssh == [*SSH, "--worker=all",
+                   "--command=mkdir -p ~/mugpt && tar -xzf ~/mugpt.tar.gz -C ~/mugpt && rm ~/mugpt.tar.gz"]
+    for home in workers(stub):
+        got = sorted(str(p.relative_to(home / "mugpt")) for p in (home / "mugpt").rglob("*") if p.is_file())
+        assert got == ["configs/__init__.py", "data/owt/meta.json", "model.py", "requirements.txt",
+                       "tpu_scripts/tpu.env.example", "tpu_scripts/tpu.sh"]
+        assert not (home / "mugpt.tar.gz").exists()
+    assert list((stub / "tmp").iterdir()) == []  # the local tarball is cleaned up
+
+
+def test_setup_installs_jax_tpu_then_requirements(stub):
+    for home in workers(stub):
+        (home / "mugpt").mkdir()
+    assert tpu(stub, "setup").returncode == 0
+    assert calls(stub) == [[*SSH, "--worker=all", "--command=cd ~/mugpt && python3 -m pip install -U 'jax[tpu]' "
+                            "&& python3 -m pip install -r requirements.txt"]]
+    for home in workers(stub):
+        assert [c["argv"] for c in python3_calls(home)] == [["-m", "pip", "install", "-U", "jax[tpu]"],
+                                                             ["-m", "pip", "install", "-r", "requirements.txt"]]
+
+
+def test_launch_status_logs_stop(stub):
+    """launch detaches launch.py with the arguments intact; status sees it; stop delivers SIGTERM to it."""
+    for home in workers(stub):
+        (home / "mugpt").mkdir()
+    args = ["--config=openwebtext", "--rundir=gs://my-bucket/runs/owt", TRICKY]
+    t0 = time.time()
+    r = tpu(stub, "launch", "--", *args)
+    assert r.returncode == 0, r.stderr
+    assert time.time() - t0 < 5  # returned at once: the trainer (sleeping 60 s) is detached
+    assert calls(stub) == [[*SSH, "--worker=all", (
+        "--command=if pid=$(cat ~/mugpt-logs/train.pid 2>/dev/null) && grep -q launch.py \"/proc/$pid/cmdline\" "
+        "2>/dev/null; then echo \"$HOSTNAME: launch.py is already running (pid $pid)\" >&2; exit 1; fi; "
+        "mkdir -p ~/mugpt-logs && cd ~/mugpt && echo \"== $(date)\" >> ~/mugpt-logs/train.log && "
+        "{ setsid nohup bash -c 'echo $$ > ~/mugpt-logs/train.pid && exec \"$@\"' mugpt python3 launch.py "
+        f"--config=openwebtext --rundir=gs://my-bucket/runs/owt {bash_quoted(TRICKY)} --multihost "
+        ">> ~/mugpt-logs/train.log 2>&1 < /dev/null & }")]]
+    pids = []
+    for home in workers(stub):
+        assert wait_for(lambda: "step 0" in (home / "mugpt-logs/train.log").read_text())
+        assert python3_calls(home) == [{"argv": ["launch.py", *args, "--multihost"], "cwd": str(home / "mugpt")}]
+        pid = int((home / "mugpt-logs/train.pid").read_text())
+        assert os.getsid(pid) == pid != os.getsid(0)  # its own session: ssh's hangup does not reach it
+        pids.append(pid)
+
+    again = tpu(stub, "launch", "--", "--config=openwebtext")
+    assert again.returncode != 0 and "already running" in again.stderr
+    assert all(len(python3_calls(home)) == 1 for home in workers(stub))
+
+    tail = ("tail -c 1000000 ~/mugpt-logs/train.log 2>/dev/null | tail -n {} | "
+            """awk -F "\\r" "{{ print \\"$HOSTNAME: \\" \\$NF }}\"""")
+    status = tpu(stub, "status")
+    assert status.returncode == 0
+    assert calls(stub)[-1] == [*SSH, "--worker=all", (
+        "--command=if pid=$(cat ~/mugpt-logs/train.pid 2>/dev/null) && grep -q launch.py \"/proc/$pid/cmdline\" "
+        "2>/dev/null; then echo \"$HOSTNAME: running, pid $pid\"; else echo \"$HOSTNAME: not running\"; fi; "
+        + tail.format(1))]
+    for home, pid in zip(workers(stub), pids):
+        assert f"{home.name}: running, pid {pid}\n{home.name}: train: 1% step 0 loss 10.9\n" in status.stdout
+
+    logs = tpu(stub, "logs")
+    assert calls(stub)[-1] == [*SSH, "--worker=all", "--command=" + tail.format(50)]
+    for home in workers(stub):  # the whole log; of the bar, only its last redraw
+        assert f"{home.name}: == " in logs.stdout and f"{home.name}: 42 parameters" in logs.stdout
+        assert f"{home.name}: train: 1% step 0 loss 10.9\n" in logs.stdout and "train: 0%" not in logs.stdout
+    logs1 = tpu(stub, "logs", "1")
+    assert calls(stub)[-1] == [*SSH, "--worker=1", "--command=" + tail.format(50)]
+    assert "worker1: train: 1%" in logs1.stdout and "worker0" not in logs1.stdout
+
+    stop = tpu(stub, "stop")
+    assert stop.returncode == 0
+    assert calls(stub)[-1] == [*SSH, "--worker=all", (
+        "--command=if pid=$(cat ~/mugpt-logs/train.pid 2>/dev/null) && grep -q launch.py \"/proc/$pid/cmdline\" "
+        "2>/dev/null; then kill -TERM \"$pid\" && echo \"$HOSTNAME: sent SIGTERM to launch.py, pid $pid\"; "
+        "else echo \"$HOSTNAME: launch.py is not running\"; fi")]
+    for home in workers(stub):
+        assert wait_for(lambda: (home / "got-signal").exists()) and (home / "got-signal").read_text() == "SIGTERM"
+    assert wait_for(lambda: "not running" in tpu(stub, "status").stdout)
+    assert tpu(stub, "status").stdout.count("not running") == 2
+
+
+def test_stop_leaves_an_unrelated_process_with_a_stale_pid_alone(stub):
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        home = workers(stub)[0]
+        (home / "mugpt-logs").mkdir()
+        (home / "mugpt-logs/train.pid").write_text(str(other.pid))
+        r = tpu(stub, "stop")
+        assert r.returncode == 0 and "worker0: launch.py is not running" in r.stdout
+        time.sleep(0.2)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_ssh_runs_one_argv_on_every_worker(stub):
+    (workers(stub)[0] / "mugpt").mkdir()  # runs in ~/mugpt where it exists, else in the home directory
+    r = tpu(stub, "ssh", "--", "python3", "data.py", TRICKY)
+    assert r.returncode == 0, r.stderr
+    assert calls(stub) == [[*SSH, "--worker=all",
+                            f"--command=cd ~/mugpt 2>/dev/null; python3 data.py {bash_quoted(TRICKY)}"]]
+    w0, w1 = workers(stub)
+    assert python3_calls(w0) == [{"argv": ["data.py", TRICKY], "cwd": str(w0 / "mugpt")}]
+    assert python3_calls(w1) == [{"argv": ["data.py", TRICKY], "cwd": str(w1)}]
+
+
+def test_the_environment_overrides_tpu_env(stub):
+    (stub / "repo/tpu_scripts/tpu.env").write_text(textwrap.dedent("""\
+        TPU_NAME=file-tpu
+        ZONE=file-zone
+        PROJECT=file-proj
+        """))
+    assert tpu(stub, "delete", TPU_NAME="env-tpu", ZONE="").returncode == 0  # empty counts as unset
+    assert calls(stub) == [["compute", "tpus", "tpu-vm", "delete", "env-tpu", "--zone=file-zone",
+                            "--project=file-proj"]]
+
+
+@pytest.mark.parametrize("verb, missing", [("status", "ZONE"), ("create", "RUNTIME_VERSION")])
+def test_a_missing_setting_is_a_one_line_error_naming_it(stub, verb, missing):
+    r = tpu(stub, verb, **{k: v for k, v in SETTINGS.items() if k != missing})
+    assert r.returncode != 0 and calls(stub) == []
+    assert r.stderr.count("\n") == 1 and missing in r.stderr
+
+
+def test_usage_errors(stub):
+    for args in [("launch",), ("launch", "--"), ("ssh",), ("frobnicate",), ("delete", "--spot")]:
+        r = tpu(stub, *args)
+        assert r.returncode != 0 and r.stderr.startswith("tpu.sh: "), args
+    assert calls(stub) == []
+    assert "launch -- ARGS" in tpu(stub, "--help").stdout
+
+
+def test_shellcheck_passes_on_every_script():
+    if shutil.which("shellcheck") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("shellcheck is not installed (CI installs it in .ci/run)")
+        pytest.skip("shellcheck is not installed")
+    scripts = sorted(p for p in SCRIPTS.iterdir() if p.suffix == ".sh" or p.name.endswith(".example"))
+    assert scripts
+    r = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -1,0 +1,183 @@
+#!/usr/bin/env bash
+# Drive mugpt on the workers of a Cloud TPU VM slice (v4-32 and up) from a laptop with gcloud:
+#
+#   tpu_scripts/tpu.sh create [--spot] [--queued] [-- GCLOUD_FLAGS]   on-demand by default; --queued: a queued resource
+#   tpu_scripts/tpu.sh delete [--queued]      the TPU (--queued: the queued resource and its TPU)
+#   tpu_scripts/tpu.sh create [--spot] [--queued] [-- GCLOUD_FLAGS]   on demand by default; --queued: queued resource
+#   tpu_scripts/tpu.sh setup                  pip install jax[tpu], then requirements.txt, on every worker
+#   tpu_scripts/tpu.sh launch -- ARGS         python3 launch.py ARGS --multihost on every worker, detached from ssh,
+#                                             logging to ~/mugpt-logs/train.log (pid in train.pid) on each worker
+#   tpu_scripts/tpu.sh status                 whether launch.py runs on each worker, and its last log line
+#   tpu_scripts/tpu.sh logs [WORKER]          the last 50 log lines of every worker (or of worker WORKER: 0, 1, ...)
+#   tpu_scripts/tpu.sh stop                   SIGTERM to launch.py on every worker, so it checkpoints and exits
+#   tpu_scripts/tpu.sh ssh -- CMD [ARG ...]   one command on every worker, in ~/mugpt when it exists; the words are
+#                                             an argv, not a shell line: pipes need  ssh -- bash -c 'a | b'
+#
+# Settings: TPU_NAME, ZONE, PROJECT (every verb), ACCELERATOR_TYPE (e.g. v4-32) and RUNTIME_VERSION (create).
+# Each comes from the environment, else from tpu_scripts/tpu.env (copy tpu.env.example): the environment wins,
+# so `TPU_NAME=other tpu_scripts/tpu.sh status` needs no edit of the file. A variable set to "" counts as unset.
+#
+# Every remote command is one `gcloud compute tpus tpu-vm ssh/scp ... --worker=all`. The user's words are
+# quoted one by one with printf %q into the --command string, so the worker's shell (bash, on the TPU VM
+# images) splits it back into exactly those words: spaces, quotes and $ survive. (midGPT's launcher sent
+# 'tmux new -d -s launch "$command"' in single quotes: the worker got the literal $command, empty there.)
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+SETTINGS=(TPU_NAME ZONE PROJECT ACCELERATOR_TYPE RUNTIME_VERSION)
+LOG_LINES=50
+
+# On the workers, paths are relative to the home directory that ssh starts in.
+# shellcheck disable=SC2016  # the $ in these single-quoted snippets is for the worker's shell, not this one
+RUNNING='pid=$(cat ~/mugpt-logs/train.pid 2>/dev/null) && grep -q launch.py "/proc/$pid/cmdline" 2>/dev/null'
+# RUNNING checks the command line as well as the pid, so a stale pid file reused by another process is not
+# mistaken for the trainer (and `stop` never signals that process).
+
+die() { echo "tpu.sh: $*" >&2; exit 1; }
+
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; }
+
+load_settings() {
+  local name from_env
+  for name in "${SETTINGS[@]}"; do printf -v "env_$name" '%s' "${!name-}"; done
+  if [ -f "$ROOT/tpu_scripts/tpu.env" ]; then
+    # shellcheck source=/dev/null  # the user's own settings; tpu.env.example shows the format
+    source "$ROOT/tpu_scripts/tpu.env"
+  fi
+  for name in "${SETTINGS[@]}"; do
+    from_env="env_$name"
+    if [ -n "${!from_env}" ]; then printf -v "$name" '%s' "${!from_env}"; fi
+  done
+}
+
+need() {
+  local name
+  for name in "$@"; do
+    [ -n "${!name-}" ] || die "$name is not set: export it or set it in tpu_scripts/tpu.env (see tpu.env.example)"
+  done
+}
+
+# gcloud ARGS..., shown on stderr first so that the user sees what runs on their project.
+gcloud_run() {
+  { printf '+ gcloud'; printf ' %q' "$@"; echo; } >&2
+  gcloud "$@"
+}
+
+# remote COMMAND_LINE [WORKER]: run a shell command line on every worker (or on WORKER).
+remote() {
+  gcloud_run compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --worker="${2:-all}" \
+    --command="$1"
+}
+
+# quote WORD...: one shell line that a POSIX/bash shell splits back into exactly these words.
+quote() { local line; line=$(printf '%q ' "$@"); printf '%s' "${line% }"; }
+
+cmd_create() {
+  need ACCELERATOR_TYPE RUNTIME_VERSION
+  local queued=0 flags=()
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --spot) flags+=(--spot) ;;
+      --queued) queued=1 ;;
+      --) shift; flags+=("$@"); break ;;
+      *) die "create: unknown option $1 (expected --spot, --queued, or -- GCLOUD_FLAGS)" ;;
+    esac
+    shift
+  done
+  if [ "$queued" = 1 ]; then
+    # A queued resource waits for capacity instead of failing; its one node gets the same name, so every
+    # other verb (tpu-vm ssh/scp) addresses it as TPU_NAME.
+    gcloud_run compute tpus queued-resources create "$TPU_NAME" --node-id="$TPU_NAME" --zone="$ZONE" \
+      --project="$PROJECT" --accelerator-type="$ACCELERATOR_TYPE" --runtime-version="$RUNTIME_VERSION" \
+      ${flags[@]+"${flags[@]}"}
+  else
+    gcloud_run compute tpus tpu-vm create "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" \
+      --accelerator-type="$ACCELERATOR_TYPE" --version="$RUNTIME_VERSION" ${flags[@]+"${flags[@]}"}
+  fi
+}
+
+cmd_delete() {
+  case "${1-}" in
+    # --force: also delete the queued resource's node, which otherwise blocks the deletion.
+    --queued) gcloud_run compute tpus queued-resources delete "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" --force ;;
+    "") gcloud_run compute tpus tpu-vm delete "$TPU_NAME" --zone="$ZONE" --project="$PROJECT" ;;
+    *) die "delete: unknown option $1 (expected --queued)" ;;
+  esac
+}
+
+cmd_copy() {
+  # `scp --recurse` cannot leave anything out, so pack a tarball without the runs, the token bins (GBs, made
+  # on the workers or fetched from a bucket), git and bytecode, send it, and unpack it over ~/mugpt.
+  # Unanchored patterns mean the same to GNU tar and to macOS's bsdtar; COPYFILE_DISABLE=1 keeps macOS tar
+  # from adding ._* resource-fork files.
+  COPY_TMP=$(mktemp -d "${TMPDIR:-/tmp}/mugpt-copy.XXXXXX")
+  trap 'rm -rf "$COPY_TMP"' EXIT
+  COPYFILE_DISABLE=1 tar -czf "$COPY_TMP/mugpt.tar.gz" -C "$ROOT" \
+    --exclude=.git --exclude=runs --exclude='*.bin' --exclude=__pycache__ .
+  gcloud_run compute tpus tpu-vm scp "$COPY_TMP/mugpt.tar.gz" "$TPU_NAME:mugpt.tar.gz" --zone="$ZONE" \
+    --project="$PROJECT" --worker=all
+  remote 'mkdir -p ~/mugpt && tar -xzf ~/mugpt.tar.gz -C ~/mugpt && rm ~/mugpt.tar.gz'
+}
+
+cmd_setup() {
+  # jax[tpu] first: requirements.txt then finds jax installed and leaves the TPU build in place.
+  # python3 -m pip: the Ubuntu TPU images have neither `python` nor always ~/.local/bin on PATH.
+  remote "cd ~/mugpt && python3 -m pip install -U 'jax[tpu]' && python3 -m pip install -r requirements.txt"
+}
+
+cmd_launch() {
+  if [ "${1-}" = -- ]; then shift; fi
+  [ $# -gt 0 ] || die "launch: give launch.py's arguments after --, e.g. launch -- --config=openwebtext"
+  # setsid + nohup + all three streams redirected: the trainer outlives the ssh session, and ssh returns at
+  # once. The inner bash writes its own pid and execs python, so train.pid holds launch.py's pid.
+  remote "if $RUNNING; then echo \"\$HOSTNAME: launch.py is already running (pid \$pid)\" >&2; exit 1; fi; \
+mkdir -p ~/mugpt-logs && cd ~/mugpt && echo \"== \$(date)\" >> ~/mugpt-logs/train.log && \
+{ setsid nohup bash -c 'echo \$\$ > ~/mugpt-logs/train.pid && exec \"\$@\"' mugpt \
+$(quote python3 launch.py "$@" --multihost) >> ~/mugpt-logs/train.log 2>&1 < /dev/null & }"
+}
+
+# log_tail N: a line for the worker's shell that prints the last N lines of its log, each after its host
+# name. tqdm redraws its bar with \r on one line, so only the last redraw of each line is kept, as a
+# terminal would show it; reading only the log's last MB bounds the work.
+# shellcheck disable=SC2016  # for the worker's shell
+log_tail() {
+  printf '%s' 'tail -c 1000000 ~/mugpt-logs/train.log 2>/dev/null | tail -n '"$1"' | '
+  printf '%s' 'awk -F "\r" "{ print \"$HOSTNAME: \" \$NF }"'
+}
+
+cmd_status() {
+  remote "if $RUNNING; then echo \"\$HOSTNAME: running, pid \$pid\"; else echo \"\$HOSTNAME: not running\"; fi; \
+$(log_tail 1)"
+}
+
+cmd_logs() {
+  remote "$(log_tail "$LOG_LINES")" "${1:-all}"
+}
+
+cmd_stop() {
+  # The trainer checkpoints on SIGTERM, the signal a preempted or stopped VM gets too.
+  remote "if $RUNNING; then kill -TERM \"\$pid\" && echo \"\$HOSTNAME: sent SIGTERM to launch.py, pid \$pid\"; \
+else echo \"\$HOSTNAME: launch.py is not running\"; fi"
+}
+
+cmd_ssh() {
+  if [ "${1-}" = -- ]; then shift; fi
+  [ $# -gt 0 ] || die "ssh: give a command after --, e.g. ssh -- nproc"
+  remote "cd ~/mugpt 2>/dev/null; $(quote "$@")"
+}
+
+main() {
+  local verb=${1-}
+  if [ $# -gt 0 ]; then shift; fi
+  case "$verb" in
+    create | delete | copy | setup | launch | status | logs | stop | ssh)
+      load_settings
+      need TPU_NAME ZONE PROJECT
+      "cmd_$verb" "$@"
+      ;;
+    "" | -h | --help | help) usage ;;
+    *) die "unknown verb '$verb' (see tpu_scripts/tpu.sh --help)" ;;
+  esac
+}
+
+main "$@"

@@ -1,0 +1,151 @@
+"""Time the real train step:  python bench.py --config=NAME [--config.FIELD=VALUE ...] [--steps=N] [--torch]
+
+Builds the step with train.setup() (the code path training uses), compiles it, warms up, times N steps on
+random tokens and prints one JSON line. On a CPU, which has no datasheet peak, it also times a large
+matmul in the same process and reports the step's FLOP rate as a fraction of that measured peak.
+--torch also times a straightforward eager PyTorch version of the same model in the same process.
+"""
+import argparse
+import json
+import sys
+import time
+
+import configs
+import launch
+from configs import Config, UsageError
+
+
+def time_steps(step, state: tuple, batch: tuple, sharding, steps: int) -> tuple[float, tuple]:
+    """Seconds per step over `steps` calls, and the state after them. Each step puts its batch on the
+    devices as training does (the step donates its inputs, the batch included)."""
+    import jax
+
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        *state, metrics = step(*state, *jax.device_put(batch, sharding))
+    jax.block_until_ready(metrics)
+    return (time.perf_counter() - t0) / steps, tuple(state)
+
+
+def matmul_peak(dtype: str) -> float:
+    """FLOP/s of a 2048^3 matmul in the compute dtype: the best this process reaches on this CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jnp.ones((2048, 2048), dtype)
+    f = jax.jit(lambda a: a @ a)
+    f(a).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        out = f(a)
+    out.block_until_ready()
+    return 10 * 2 * 2048**3 / (time.perf_counter() - t0)
+
+
+def torch_step_s(cfg: Config, steps: int) -> float:
+    """Seconds per step of the same model (RMSNorm, QK-LayerNorm, RoPE, GELU MLP, untied readout) and
+    optimizer (AdamW, clipping) written plainly in eager PyTorch, float32, on the CPU."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    B, T, D, H, K, V = cfg.batch_size, cfg.block_size, cfg.d_model, cfg.n_head, cfg.head_dim, cfg.model_vocab
+    freq = cfg.rope_base ** (-torch.arange(K // 2) / (K // 2))
+    angle = torch.arange(T)[:, None] * freq
+    cos, sin = angle.cos()[:, None], angle.sin()[:, None]
+
+    def rope(x):
+        x1, x2 = x[..., :K // 2], x[..., K // 2:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
+            self.q_norm, self.k_norm = nn.LayerNorm(K, bias=False), nn.LayerNorm(K, bias=False)
+            self.up, self.down = nn.Linear(D, cfg.mlp_width, bias=False), nn.Linear(cfg.mlp_width, D, bias=False)
+
+        def forward(self, x):
+            q, k, v = self.qkv(F.rms_norm(x, (D,))).view(B, T, 3, H, K).unbind(2)
+            q, k = rope(self.q_norm(q)).transpose(1, 2), rope(self.k_norm(k)).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
+            x = x + self.out(o.transpose(1, 2).reshape(B, T, D))
+            return x + self.down(F.gelu(self.up(F.rms_norm(x, (D,))), approximate="tanh"))
+
+    embed, blocks, unembed = nn.Embedding(V, D), nn.ModuleList(Block() for _ in range(cfg.n_layer)), nn.Linear(D, V, bias=False)
+    params = [*embed.parameters(), *blocks.parameters(), *unembed.parameters()]
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), weight_decay=0.1)
+    x, y = torch.randint(0, cfg.vocab_size, (B, T)), torch.randint(0, cfg.vocab_size, (B, T))
+
+    def step():
+        h = embed(x)
+        for block in blocks:
+            h = block(h)
+        loss = F.cross_entropy(unembed(F.rms_norm(h, (D,))).view(-1, V), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+
+    for _ in range(3):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - t0) / steps
+
+
+def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+
+    import train
+
+    cfg.check(jax.device_count())
+    mesh = train.make_mesh(cfg)
+    s = train.setup(cfg, mesh)
+    rng = np.random.default_rng(0)
+    x, y = (rng.integers(0, cfg.vocab_size, (cfg.grad_accum, cfg.microbatch_size, cfg.block_size), dtype=np.int32)
+            for _ in range(2))
+    sharding = NamedSharding(mesh, train.BATCH_SPEC)
+    first_s, state = time_steps(s.step, (s.model, s.opt_state), (x, y), sharding, 1)  # traces and compiles
+    _, state = time_steps(s.step, state, (x, y), sharding, 2)  # warm up
+    step_s, _ = time_steps(s.step, state, (x, y), sharding, steps)
+    device = jax.devices()[0]
+    flops = train.flops_per_token(cfg)
+    tokens_per_s = cfg.batch_size * cfg.block_size / step_s
+    peak = train.peak_flops(device)
+    memory = device.memory_stats() or {}
+    result = {
+        "device_kind": device.device_kind, "device_count": jax.device_count(),
+        "jax_version": jax.__version__, "tokens_per_s": round(tokens_per_s, 1), "step_ms": round(1e3 * step_s, 2),
+        "flops_per_token": flops, "flops_formula": "6N + 12*L*D*T (PaLM app. B; N = block and readout weights)",
+        "mfu": round(tokens_per_s * flops / (peak * jax.device_count()), 4) if peak else None,
+        "compile_s": round(first_s - step_s, 2), "peak_memory_bytes": memory.get("peak_bytes_in_use"),
+        "compute_dtype": cfg.compute_dtype, "remat": cfg.remat, "scan_unroll": cfg.scan_unroll,
+    }
+    if device.platform == "cpu":
+        measured = matmul_peak(cfg.compute_dtype)
+        result |= {"matmul_peak_flops": round(measured), "fraction_of_matmul_peak": round(tokens_per_s * flops / measured, 4)}
+    if with_torch:
+        torch_s = torch_step_s(cfg, steps)
+        result |= {"torch_step_ms": round(1e3 * torch_s, 2), "step_over_torch": round(step_s / torch_s, 3)}
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps after compile and warmup")
+    ap.add_argument("--torch", action="store_true", help="also time an eager PyTorch version (needs torch)")
+    args, overrides = ap.parse_known_args()
+    try:
+        cfg = launch.apply_overrides(configs.load(args.config), overrides)
+        print(json.dumps({"name": args.config, **bench(cfg, args.steps, args.torch)}))
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

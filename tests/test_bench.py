@@ -1,0 +1,31 @@
+"""bench.py prints one valid JSON line with every field, for a tiny config."""
+import json
+
+import pytest
+
+from conftest import run
+
+FIELDS = {"name", "device_kind", "device_count", "jax_version", "tokens_per_s", "step_ms", "flops_per_token",
+          "flops_formula", "mfu", "compile_s", "peak_memory_bytes", "compute_dtype", "remat", "scan_unroll",
+          "matmul_peak_flops", "fraction_of_matmul_peak"}
+
+
+def test_bench_prints_one_json_line_with_every_field():
+    r = run(["bench.py", "--config=shakespeare_char_cpu", "--steps=3", "--config.n_layer=2", "--config.d_model=32",
+             "--config.n_head=2", "--config.block_size=16", "--config.batch_size=4"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    out = json.loads(lines[0])
+    assert FIELDS <= out.keys()
+    assert out["device_kind"] == "cpu" and out["mfu"] is None  # no datasheet peak on a CPU: no made-up MFU
+    assert out["tokens_per_s"] == pytest.approx(4 * 16 / (out["step_ms"] / 1e3), rel=0.01)
+    L, D, T, V = 2, 32, 16, 128
+    assert out["flops_per_token"] == 6 * (L * 12 * D * D + D * V) + 12 * L * D * T
+    assert 0 < out["fraction_of_matmul_peak"] < 1.5 and out["compile_s"] > 0
+
+
+def test_bench_rejects_a_bad_override_in_one_line():
+    r = run(["bench.py", "--config=shakespeare_char_cpu", "--config.n_head=3"])
+    assert r.returncode != 0 and r.stderr.strip().startswith("error: d_model=128 is not divisible by n_head=3")
+    assert "Traceback" not in r.stderr

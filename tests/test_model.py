@@ -143,3 +143,17 @@ def test_remat_and_unroll_do_not_change_gradients(remat):
     g1 = eqx.filter_jit(eqx.filter_grad(train.loss_fn))(other, x, x)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_linear_under_vmap_equals_a_plain_matmul_with_its_gradients():
+    """linear() merges the vmapped batch into the rows; values and gradients must be a matmul's."""
+    x_BTD = jax.random.normal(jax.random.key(0), (3, 5, 8))
+    w_DF = jax.random.normal(jax.random.key(1), (8, 4))
+    plain = lambda w, x: jnp.sum(jnp.sin(jnp.einsum("btd,df->btf", x, w)))
+    merged = lambda w, x: jnp.sum(jnp.sin(jax.vmap(M.linear, in_axes=(0, None))(x, w)))
+    np.testing.assert_allclose(merged(w_DF, x_BTD), plain(w_DF, x_BTD), rtol=1e-5)
+    for argnum in (0, 1):
+        np.testing.assert_allclose(jax.grad(merged, argnum)(w_DF, x_BTD), jax.grad(plain, argnum)(w_DF, x_BTD),
+                                   rtol=1e-5, atol=1e-6)
+    ws = jax.random.normal(jax.random.key(2), (3, 8, 4))  # a batch of weights takes the other path
+    np.testing.assert_allclose(jax.vmap(M.linear)(x_BTD, ws), jnp.einsum("btd,bdf->btf", x_BTD, ws), rtol=1e-5)

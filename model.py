@@ -20,7 +20,9 @@ from configs import Config
 def linear(x_TD: Array, w_DF: Array) -> Array:
     """x @ w. Under jax.vmap (the batch added in train.py) the batch is merged into the rows first, so
     the weight gradient is one 2-D matmul: XLA:CPU otherwise transposes the (B, T, F) cotangent before
-    contracting over B and T, which cost a third of a CPU train step. On GPU/TPU the reshape is free."""
+    contracting over B and T, which cost a third of a CPU train step. On GPU/TPU the reshape is free.
+    Differentiate it under jax.vmap, as train.py does: custom_vmap has no reverse-mode rule of its own,
+    so jax.grad of an unbatched call fails (wrap a single sequence in a batch of one)."""
     return x_TD @ w_DF
 
 

@@ -157,7 +157,7 @@ def init_gpt(cfg: Config, key: Array) -> GPT:
     """A GPT whose parameters are drawn as the policy table says: init_mean + init_std * N(0, 1)."""
     D, H, K, F, V = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.mlp_width, cfg.model_vocab
     gain = lambda n: jnp.ones(n) if cfg.norm_gain else None
-    dt, impl = cfg.compute_dtype, attention_impl()
+    dt, impl = cfg.compute_dtype, attention_impl(cfg)
 
     def block(_):  # shapes only: the values come from the table below
         attn = Attention(jnp.zeros((D, 3, H, K)), jnp.zeros((H, K, D)), jnp.ones(K), jnp.ones(K),
@@ -177,9 +177,11 @@ def init_gpt(cfg: Config, key: Array) -> GPT:
     return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
 
 
-def attention_impl() -> str | None:
-    """cuDNN flash attention on NVIDIA GPUs; elsewhere XLA's (on TPU, a Pallas splash kernel would go here)."""
-    return "cudnn" if jax.default_backend() == "gpu" else None
+def attention_impl(cfg: Config) -> str | None:
+    """cuDNN flash attention on NVIDIA GPUs where it applies (bf16, head dim a multiple of 8 up to 128);
+    XLA's everywhere else. On TPU a Pallas splash-attention kernel would be selected here."""
+    cudnn_ok = cfg.compute_dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+    return "cudnn" if jax.default_backend() == "gpu" and cudnn_ok else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,3 +157,17 @@ def test_linear_under_vmap_equals_a_plain_matmul_with_its_gradients():
                                    rtol=1e-5, atol=1e-6)
     ws = jax.random.normal(jax.random.key(2), (3, 8, 4))  # a batch of weights takes the other path
     np.testing.assert_allclose(jax.vmap(M.linear)(x_BTD, ws), jnp.einsum("btd,bdf->btf", x_BTD, ws), rtol=1e-5)
+
+
+def test_attention_implementations_match_a_naive_reference():
+    """XLA's dot_product_attention (the CPU path) and, on a GPU, cuDNN's flash attention against
+    softmax(q k^T * scale + causal mask) v written out."""
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8), jnp.float32) for i in range(3))
+    s = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(8) + jnp.where(jnp.tril(jnp.ones((16, 16))), 0, -jnp.inf)
+    naive = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(s, axis=-1), v)
+    np.testing.assert_allclose(jax.nn.dot_product_attention(q, k, v, is_causal=True), naive, rtol=1e-5, atol=1e-5)
+    if jax.default_backend() == "gpu":
+        bf = lambda a: a.astype(jnp.bfloat16)
+        out = jax.nn.dot_product_attention(bf(q), bf(k), bf(v), is_causal=True, implementation="cudnn")
+        np.testing.assert_allclose(out.astype(jnp.float32), naive, atol=3e-2)
+    assert M.attention_impl(tiny(compute_dtype="float32")) is None  # cuDNN needs bf16: never chosen for fp32

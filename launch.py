@@ -1,21 +1,25 @@
 """Train a GPT:  python launch.py --config=NAME [--rundir=DIR] [--debug] [--multihost] [--config.FIELD=VALUE ...]
 
 The config is configs/NAME.py with typed overrides from the command line; the run directory (default
-runs/NAME-TIMESTAMP) receives config.json, run.json (git commit, dirty tree, command), metrics.jsonl,
-tensorboard event files and, with --debug, a profiler trace of a few steps.
+runs/NAME-TIMESTAMP, or gs://...) receives config.json, run.json (git commit, dirty tree, command),
+metrics.jsonl, tensorboard event files, checkpoints/ and, with --debug, a profiler trace of a few steps
+(and no checkpoints). Launching again with an existing --rundir resumes that run.
 """
 import argparse
 import dataclasses
 import difflib
 import json
+import logging
 import subprocess
 import sys
 import time
 import typing
 from pathlib import Path
 
+from etils import epath
+
 import configs
-from configs import Config, UsageError
+from configs import Config, RunError, UsageError
 
 ROOT = Path(__file__).resolve().parent
 
@@ -61,26 +65,51 @@ def git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
-def make_rundir(args, cfg: Config) -> Path:
-    """A new run directory with config.json and run.json. An existing run is never overwritten."""
-    rundir = Path(args.rundir or f"runs/{args.config}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if (rundir / "config.json").exists():
-        raise UsageError(f"{rundir} already holds a run; pass a new --rundir")
+def open_rundir(args, cfg: Config) -> epath.Path:
+    """The run directory, local or gs://, with config.json and run.json. One that holds a run already
+    (its config.json) is resumed, if cfg differs from that run's config only in RESUMABLE fields;
+    otherwise it is an error and nothing is written."""
+    rundir = epath.Path(args.rundir or f"runs/{args.config}-{time.strftime('%Y%m%d-%H%M%S')}")
+    launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
+        run = {"config_name": args.config, **launch}
+        if (rundir / "config.json").exists():
+            try:
+                saved = json.loads((rundir / "config.json").read_text())
+            except ValueError:
+                saved = None
+            if not isinstance(saved, dict):
+                raise UsageError(f"{rundir}/config.json is not a run's config; pass a new --rundir")
+            for name, new in dataclasses.asdict(cfg).items():
+                if name not in configs.RESUMABLE and saved.get(name, "absent") != new:
+                    was = f"{name}={saved[name]!r}" if name in saved else f"no {name}"
+                    raise UsageError(f"{rundir} holds a run with {was}, this launch has {name}={new!r}: "
+                                     f"resuming may change only {', '.join(configs.RESUMABLE)}")
+            run = json.loads((rundir / "run.json").read_text()) if (rundir / "run.json").exists() else {}
+            run["resumed"] = run.get("resumed", []) + [launch]
         rundir.mkdir(parents=True, exist_ok=True)
-        (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))
-        run = {"config_name": args.config, "argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
         (rundir / "run.json").write_text(json.dumps(run, indent=1))
+        (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))  # last: it marks a run
     except OSError as e:
         raise UsageError(f"cannot write the run directory {rundir}: {e.strerror or e}") from None
     return rundir
 
 
+def quiet_failed_saves() -> None:
+    """train.py reports a failed checkpoint save (a full disk) in one line. Orbax would also log it as
+    several tracebacks, and each tensorstore write still in flight prints one more when it finds orbax's
+    event loop closed; --debug shows them."""
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    default = sys.unraisablehook
+    sys.unraisablehook = lambda u: None if isinstance(u.exc_value, RuntimeError) and \
+        str(u.exc_value) == "Event loop is closed" else default(u)
+
+
 def parse_args(argv: list[str]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
-    ap.add_argument("--rundir", help="run directory (default runs/NAME-TIMESTAMP)")
-    ap.add_argument("--debug", action="store_true", help="profile a few steps into the run directory")
+    ap.add_argument("--rundir", help="run directory (default runs/NAME-TIMESTAMP); an existing one is resumed")
+    ap.add_argument("--debug", action="store_true", help="profile a few steps into the run directory; save no checkpoints")
     ap.add_argument("--multihost", action="store_true", help="jax.distributed.initialize() first (TPU pods, clusters)")
     ap.add_argument("--coordinator_address", help="multi-host: host:port of process 0 (not needed on TPU VMs)")
     ap.add_argument("--num_processes", type=int, help="multi-host: number of processes (not needed on TPU VMs)")
@@ -94,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = apply_overrides(configs.load(args.config), overrides)
         import jax  # after parsing: a typo should not wait for jax to load
 
+        if not args.debug:
+            quiet_failed_saves()
+
         if args.multihost:
             jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         cfg.check(jax.device_count())
@@ -103,10 +135,10 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
             data.prepare_shakespeare_char(data.data_dir(cfg))
         data.load_split(cfg, "train"), data.load_split(cfg, "val")  # bad data is reported before the run directory
-        rundir = make_rundir(args, cfg)
+        rundir = open_rundir(args, cfg)
         print(f"run directory {rundir}")
         train.train(cfg, rundir, debug=args.debug)
-    except UsageError as e:
+    except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
 
 

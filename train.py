@@ -4,8 +4,8 @@ Shapes as in model.py, plus G microbatches per step.
 """
 import json
 import math
+import signal
 import time
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import equinox as eqx
@@ -13,11 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from etils import epath
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import data
-from configs import Config
+from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_checkpoint, stop_signals
+from configs import Config, RunError
 from model import GPT, Policy, init_gpt, partition_specs, policy_table
 
 BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): every device holds B / devices sequences
@@ -90,10 +92,17 @@ def make_train_step(optimizer, model_sharding, opt_sharding):
         zeros = eqx.filter_shard(jax.tree.map(jnp.zeros_like, params), model_sharding)
         grads, losses_G = jax.lax.scan(micro, zeros, (x_GBT, y_GBT))
         grads = jax.tree.map(lambda g: g / x_GBT.shape[0], grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        model = eqx.filter_shard(eqx.apply_updates(model, updates), model_sharding)
+        updates, new_opt_state = optimizer.update(grads, opt_state, params)
+        new_model = eqx.apply_updates(model, updates)
+        # A non-finite loss, gradient or update is skipped: the state stays as it was, Adam moments
+        # and schedule count included. The host counts skips and stops after max_nonfinite in a row.
+        loss, grad_norm = losses_G.mean(), optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(optax.tree.norm(updates))
+        keep = lambda new, old: jnp.where(ok, new, old) if eqx.is_array(new) else new  # (eqx.nn.Shared has a non-array leaf)
+        model, opt_state = jax.tree.map(keep, (new_model, new_opt_state), (model, opt_state))
+        model = eqx.filter_shard(model, model_sharding)
         opt_state = eqx.filter_shard(opt_state, opt_sharding)
-        return model, opt_state, {"loss": losses_G.mean(), "grad_norm": optax.tree.norm(grads)}
+        return model, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
 
     return step
 
@@ -122,27 +131,69 @@ def peak_flops(device) -> float | None:
 
 
 class Logger:
-    """Scalars to tensorboard event files and metrics.jsonl in the run directory."""
+    """Scalars to tensorboard event files and metrics.jsonl in the run directory (local or gs://). A run
+    resumed at step `start` first drops what was logged after that step (it came after the checkpoint),
+    so both read as one uninterrupted run."""
 
-    def __init__(self, rundir: Path):
+    def __init__(self, rundir: epath.Path, start: int):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.tb = EventFileWriter(str(rundir))
-        self.jsonl = open(rundir / "metrics.jsonl", "a")
+        if start:  # tensorboard discards the events of steps >= the step of a START session log
+            self.tb.add_event(self.event(step=start + 1, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+        self.path = rundir / "metrics.jsonl"
+        old = self.path.read_text().splitlines(keepends=True) if start and self.path.exists() else []
+        self.lines = [line for line in old if json.loads(line)["step"] <= start]
 
     def log(self, step: int, record: dict[str, float], tags: dict[str, str]) -> None:
         """Write record as one JSON line, and each value named in tags (record key -> tensorboard tag)."""
-        self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
-        self.jsonl.flush()
+        self.lines.append(json.dumps({"step": step, **record}) + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")  # whole file, renamed into place: a kill never
+        tmp.write_text("".join(self.lines))  # leaves half a line, and GCS objects cannot be appended to
+        tmp.replace(self.path)
         values = [self.summary.Value(tag=tag, simple_value=record[k]) for k, tag in tags.items() if record.get(k) is not None]
         self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=self.summary(value=values)))
         self.tb.flush()
 
     def close(self) -> None:
         self.tb.close()
-        self.jsonl.close()
+
+
+class Tally:
+    """The step metrics on the host: fetched from the device only at log points and saves (a fetch waits
+    for the device), and saved with each checkpoint, so a resumed run logs exactly what an uninterrupted
+    one would. Counts the skipped (non-finite) steps."""
+
+    def __init__(self, cfg: Config, saved: dict | None = None):
+        self.cfg, self.on_device = cfg, []  # metrics of the steps not fetched yet
+        # since_log: the fetched metrics of the steps after the last multiple of log_interval;
+        # streak: skipped steps in a row; skipped: all skipped steps
+        self.state = saved or {"since_log": [], "streak": 0, "skipped": 0}
+
+    def fetch(self) -> None:
+        for m in jax.device_get(self.on_device):
+            m = {k: v.item() for k, v in m.items()}
+            self.state["since_log"].append(m)
+            self.state["streak"] = self.state["streak"] + 1 if m["skipped"] else 0
+            self.state["skipped"] += m["skipped"]
+        self.on_device = []
+
+    def record(self, step: int) -> dict:
+        """Mean loss over the applied steps since the last log, the last grad norm, the skipped count."""
+        self.fetch()
+        steps = self.state["since_log"]
+        losses = [m["loss"] for m in steps if not m["skipped"]]
+        if step % self.cfg.log_interval == 0:  # an off-interval last step keeps them for a longer resumed run
+            self.state["since_log"] = []
+        return {"loss": float(np.mean(losses)) if losses else None, "grad_norm": steps[-1]["grad_norm"],
+                "skipped": self.state["skipped"]}
+
+    def check(self, step: int) -> None:
+        if self.state["streak"] >= self.cfg.max_nonfinite:
+            raise RunError(f"{self.state['streak']} steps in a row up to step {step} had a non-finite loss, gradient or "
+                           f"update and were skipped (max_nonfinite={self.cfg.max_nonfinite}): the run has diverged")
 
 
 def evaluate(model: GPT, cfg: Config, splits: dict, sharding) -> dict[str, float]:
@@ -178,21 +229,33 @@ def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     return Setup(model, opt_state, make_train_step(optimizer, model_sharding, opt_sharding), model_sharding, opt_sharding)
 
 
-def train(cfg: Config, rundir: Path, debug: bool = False) -> dict[str, float]:
-    """Train from scratch; returns the last evaluation."""
+@eqx.filter_jit
+def all_finite(tree) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
+
+
+def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, float] | None:
+    """Train from the latest checkpoint in rundir, or from scratch; returns the last evaluation (None if
+    a signal stopped the run or nothing was left to do). With debug nothing is saved, only profiled."""
     cfg.check(jax.device_count())
     mesh = make_mesh(cfg)
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
     model, opt_state, step_fn, _, _ = setup(cfg, mesh)
+    with one_line(f"reading the checkpoints in {rundir}"):
+        mngr = checkpoint_manager(rundir, cfg, read_only=debug)
+        start = mngr.latest_step() or 0
+        model, opt_state, saved = restore_checkpoint(mngr, model, opt_state) if start else (model, opt_state, None)
+    tally = Tally(cfg, saved)
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     eval_sharding = NamedSharding(mesh, P(("replica", "fsdp"), None))
     eval_splits = {"train": (train_tokens, data.EVAL_TRAIN), "val": (val_tokens, data.EVAL_VAL)}
     schedule, peak = lr_schedule(cfg), peak_flops(jax.devices()[0])
     tokens_per_step = cfg.batch_size * cfg.block_size
-    logger = Logger(rundir)
+    logger = Logger(rundir, start)
     print(f"{sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))):,} parameters, "
           f"{jax.device_count()} {jax.devices()[0].device_kind} device(s), mesh {dict(mesh.shape)}, "
-          f"MFU {'against ' + format(peak, '.3g') + ' FLOP/s' if peak else 'unknown: no datasheet peak for this device'}")
+          f"MFU {'against ' + format(peak, '.3g') + ' FLOP/s' if peak else 'unknown: no datasheet peak for this device'}"
+          + (f"; resuming from the checkpoint of step {start}" if start else ""))
 
     def log_eval(step: int, tokens_per_s: float | None) -> dict:
         record = {**evaluate(model, cfg, eval_splits, eval_sharding), "lr": float(schedule(step)),
@@ -201,40 +264,60 @@ def train(cfg: Config, rundir: Path, debug: bool = False) -> dict[str, float]:
         bar.write(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         return record
 
-    bar = tqdm(total=cfg.max_steps, desc="train", dynamic_ncols=True, mininterval=1.0)
-    last = log_eval(0, None)
-    pending, tokens_per_s, t0, t0_step = [], None, None, 0
-    for step in range(cfg.max_steps):
-        if debug and step == min(5, cfg.max_steps - 1):
-            jax.profiler.start_trace(str(rundir / "profile"))
-        x, y = data.get_batch(train_tokens, cfg.seed, data.TRAIN, step, cfg.batch_size, cfg.block_size)
-        x, y = (a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x, y))
-        model, opt_state, metrics = step_fn(model, opt_state, *jax.device_put((x, y), batch_sharding))
-        pending.append(metrics)
-        done = step + 1
-        if debug and done == min(8, cfg.max_steps):
-            jax.block_until_ready(model)
-            jax.profiler.stop_trace()
-        if t0 is None:  # time from the end of the first step, so compilation is not counted
-            jax.block_until_ready(metrics)
-            t0, t0_step, pending = time.perf_counter(), done, []
-        if done % cfg.log_interval == 0 or done == cfg.max_steps:
-            if pending:
-                host = jax.device_get(pending)  # the only host sync between evaluations
-                elapsed = time.perf_counter() - t0
-                tokens_per_s = (done - t0_step) * tokens_per_step / elapsed if done > t0_step else None
-                mfu = tokens_per_s * flops_per_token(cfg) / (peak * jax.device_count()) if peak and tokens_per_s else None
-                record = {"loss": float(np.mean([m["loss"] for m in host])), "lr": float(schedule(step)),
-                          "grad_norm": float(host[-1]["grad_norm"]), "tokens_per_s": tokens_per_s, "mfu": mfu}
-                logger.log(done, record, {"loss": "loss/batch", "lr": "lr", "grad_norm": "grad_norm",
-                                          "tokens_per_s": "tokens_per_s", "mfu": "mfu"})
-                bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
-                                tok_s=f"{tokens_per_s or 0:,.0f}", mfu=f"{mfu:.1%}" if mfu else "n/a", refresh=False)
-                pending = []
-            bar.update(done - bar.n)
-        if done % cfg.eval_interval == 0 or done == cfg.max_steps:
-            last = log_eval(done, tokens_per_s)
-            t0, t0_step = time.perf_counter(), done  # evaluation time is not training throughput
-    bar.close()
-    logger.close()
-    return last
+    def save(step: int) -> None:
+        tally.fetch()
+        tally.check(step)
+        if not all_finite((model, opt_state)):  # the skipping should make this impossible: never overwrite good with bad
+            raise RunError(f"the state after step {step} is not finite; not saved (the last checkpoint is step {mngr.latest_step()})")
+        with one_line(f"saving a checkpoint to {mngr.directory}"):
+            save_checkpoint(mngr, step, model, opt_state, tally.state)
+
+    bar = tqdm(initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True, mininterval=1.0)
+    last = log_eval(0, None) if start == 0 else None
+    tokens_per_s, t0, t0_step = None, None, start
+    try:
+        with stop_signals() as caught:
+            for step in range(start, cfg.max_steps):
+                if debug and step == min(start + 5, cfg.max_steps - 1):
+                    jax.profiler.start_trace(str(rundir / "profile"))
+                x, y = data.get_batch(train_tokens, cfg.seed, data.TRAIN, step, cfg.batch_size, cfg.block_size)
+                x, y = (a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x, y))
+                model, opt_state, metrics = step_fn(model, opt_state, *jax.device_put((x, y), batch_sharding))
+                tally.on_device.append(metrics)
+                done = step + 1
+                if debug and done == min(start + 8, cfg.max_steps):
+                    jax.block_until_ready(model)
+                    jax.profiler.stop_trace()
+                if t0 is None:  # time from the end of the first step, so compilation is not counted
+                    jax.block_until_ready(metrics)
+                    t0, t0_step = time.perf_counter(), done
+                stop = bool(caught) or (jax.process_count() > 1 and mngr.reached_preemption(done))
+                if done % cfg.log_interval == 0 or done == cfg.max_steps:
+                    record = tally.record(done)  # the only host sync between evaluations and saves
+                    elapsed = time.perf_counter() - t0
+                    tokens_per_s = (done - t0_step) * tokens_per_step / elapsed if done > t0_step else None
+                    mfu = tokens_per_s * flops_per_token(cfg) / (peak * jax.device_count()) if peak and tokens_per_s else None
+                    record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s, "mfu": mfu}
+                    logger.log(done, record, {"loss": "loss/batch", "lr": "lr", "grad_norm": "grad_norm",
+                                              "skipped": "skipped_steps", "tokens_per_s": "tokens_per_s", "mfu": "mfu"})
+                    bar.set_postfix(loss=f"{math.nan if record['loss'] is None else record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                                    tok_s=f"{tokens_per_s or 0:,.0f}", mfu=f"{mfu:.1%}" if mfu else "n/a", refresh=False)
+                    bar.update(done - bar.n)
+                    tally.check(done)
+                if done % cfg.eval_interval == 0 or done == cfg.max_steps:
+                    last = log_eval(done, tokens_per_s)
+                    t0, t0_step = time.perf_counter(), done  # evaluation time is not training throughput
+                if not debug and (done % cfg.ckpt_interval == 0 or done == cfg.max_steps or stop):
+                    save(done)
+                if stop:
+                    bar.write(f"{signal.Signals(caught[0]).name if caught else 'preemption'} at step {done}: "
+                              + ("checkpoint saved; run the same command to resume" if not debug else "stopping"))
+                    return None
+        if start >= cfg.max_steps:
+            print(f"the checkpoint is at step {start}, max_steps={cfg.max_steps}: nothing to do")
+        return last
+    finally:
+        bar.close()
+        logger.close()
+        with one_line(f"saving a checkpoint to {mngr.directory}"):
+            mngr.close()  # waits for the save in flight

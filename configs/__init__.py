@@ -12,6 +12,10 @@ class UsageError(ValueError):
     """Bad user input (config, data, run directory): printed as one line, and the exit code is 2."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on (non-finite steps, a failed checkpoint save): printed as one line."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     # data: <data_root>/<dataset>/{train,val}.bin and meta.json, written by `python data.py <dataset>`
@@ -57,6 +61,13 @@ class Config:
     # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes
     mesh_replica: int = 1  # devices on the replica axis; the rest go to fsdp
 
+    # checkpoints in RUNDIR/checkpoints (orbax); launching again with the same --rundir resumes
+    ckpt_interval: int = 1000  # steps between checkpoints; one is also written at the end and on SIGTERM/SIGINT
+    ckpt_keep: int = 3  # the latest checkpoints kept on disk; older ones are deleted
+    # A step with a non-finite loss, gradient or update is skipped (the state stays as it was); this
+    # many in a row stop the run: the model has diverged and skipping will not bring it back.
+    max_nonfinite: int = 10
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
@@ -88,9 +99,17 @@ class Config:
             if bad:
                 raise UsageError(message)
         for name in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "grad_accum", "max_steps",
-                     "eval_interval", "eval_batches", "log_interval", "vocab_size", "vocab_multiple", "scan_unroll"):
+                     "eval_interval", "eval_batches", "log_interval", "vocab_size", "vocab_multiple", "scan_unroll",
+                     "ckpt_interval", "ckpt_keep", "max_nonfinite"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
+
+
+# The fields a resumed run may change (launch.py compares every other one with the run's config.json):
+# how long it goes on, what it logs and evaluates, how it checkpoints, where the data lives and how the
+# same state is laid out on the devices. Anything else would make the checkpoint another run's.
+RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "ckpt_keep",
+             "max_nonfinite", "mesh_replica", "remat", "scan_unroll", "data_root")
 
 
 def available() -> list[str]:

@@ -60,12 +60,12 @@ def test_bad_input_is_one_line_without_traceback(shakespeare, tmp_path, args, me
     assert not (tmp_path / "run").exists()  # nothing was written
 
 
-def test_existing_run_is_not_overwritten(shakespeare, tmp_path):
+def test_existing_run_with_another_config_is_not_overwritten(shakespeare, tmp_path):
     rundir = tmp_path / "run"
     rundir.mkdir()
     (rundir / "config.json").write_text("{}")
     r = run(["launch.py", "--config=shakespeare_char_cpu", f"--rundir={rundir}"])
-    assert r.returncode != 0 and "already holds a run" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "holds a run with no dataset" in r.stderr and "Traceback" not in r.stderr
     assert (rundir / "config.json").read_text() == "{}"
 
 

@@ -1,0 +1,76 @@
+"""Checkpoints and preemption: the train state saved and restored with orbax, and stopping on a signal.
+
+A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each process writes its own
+shards) and the host-side tally of train.py, so a resumed run continues exactly where the saved one was.
+"""
+import contextlib
+import signal
+
+import equinox as eqx
+import jax
+import optax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from configs import Config, RunError
+from model import GPT
+
+
+def checkpoint_manager(rundir: epath.Path, cfg: Config, read_only: bool = False) -> ocp.CheckpointManager:
+    """RUNDIR/checkpoints/STEP, by orbax: asynchronous (training goes on while it writes), each process
+    writing only its own shards. A step is written under a temporary name and renamed when complete (on
+    GCS: marked complete by a commit file), so a kill mid-save leaves nothing that latest_step() returns;
+    cleanup_tmp_directories removes the leftovers at the next start."""
+    options = ocp.CheckpointManagerOptions(preservation_policy=ocp.checkpoint_managers.LatestN(cfg.ckpt_keep),
+                                           cleanup_tmp_directories=True, read_only=read_only)
+    return ocp.CheckpointManager(rundir / "checkpoints", options=options)
+
+
+def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_state, tally: dict) -> None:
+    """Returns once the arrays are copied to host memory (the next step may donate them); a background
+    thread writes them. An error of the previous save is raised here. train.py decides when to save, so
+    orbax's own save policy is overridden (force)."""
+    state = ocp.args.StandardSave({"model": eqx.filter(model, eqx.is_array), "opt_state": opt_state})
+    mngr.save(step, args=ocp.args.Composite(state=state, tally=ocp.args.JsonSave(tally)), force=True)
+
+
+def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state) -> tuple[GPT, optax.OptState, dict]:
+    """The latest complete checkpoint, onto the shardings of `model` and `opt_state` (fresh from setup(),
+    on this run's mesh, which may differ from the saving run's), so the restored arrays are what the
+    compiled step expects and it does not retrace. Their buffers are freed first: two copies of the
+    state may not fit in device memory."""
+    params, static = eqx.partition(model, eqx.is_array)  # static: eqx.nn.Shared's marker of the tied array
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type),
+                          {"model": params, "opt_state": opt_state})
+    jax.tree.map(lambda x: x.delete(), (params, opt_state))
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(target), tally=ocp.args.JsonRestore())
+    restored = mngr.restore(mngr.latest_step(), args=args)
+    return eqx.combine(restored.state["model"], static), restored.state["opt_state"], restored.tally
+
+
+@contextlib.contextmanager
+def one_line(what: str):
+    """Orbax's I/O errors (a full disk, a lost bucket), often raised from its background thread, as one line."""
+    try:
+        yield
+    except (OSError, ValueError, RuntimeError) as e:
+        raise RunError(f"{what} failed: {(str(e) or type(e).__name__).splitlines()[0]}") from None
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """SIGTERM (a preemption notice) and SIGINT (Ctrl-C) only set a flag: the loop finishes its step, saves
+    and returns. A second signal acts as usual. With several processes JAX's preemption service takes
+    SIGTERM instead, so that all of them stop at the same step."""
+    caught = []
+
+    def handler(signum, _):
+        caught.append(signum)
+        signal.signal(signum, previous[signum])
+
+    previous = {s: signal.signal(s, handler) for s in ((signal.SIGTERM, signal.SIGINT) if jax.process_count() == 1 else ())}
+    try:
+        yield caught
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

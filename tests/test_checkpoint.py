@@ -1,0 +1,236 @@
+"""Checkpoints, resume, preemption and faults, with real orbax, real subprocesses and real signals."""
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from etils import epath
+
+import configs
+import launch
+import train
+from checkpoint import checkpoint_manager, restore_checkpoint
+from conftest import ROOT, tiny
+from model import init_gpt
+
+# A tiny model on shakespeare_char. min_lr = learning_rate keeps the schedule flat after warmup, so
+# runs that differ only in max_steps take the same steps.
+TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
+        "--config.block_size=16", "--config.batch_size=8", "--config.warmup_steps=4", "--config.min_lr=2e-3",
+        "--config.eval_batches=2", "--config.log_interval=4", "--config.eval_interval=8", "--config.ckpt_interval=8"]
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """The subprocesses' environment, with JAX's persistent compilation cache shared between them: the
+    tiny model then compiles once, not in each process (seconds each on a busy CPU)."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def start(args: list[str], env: dict, prefix: tuple = ()) -> subprocess.Popen:
+    return subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def run(args: list[str], env: dict, prefix: tuple = ()) -> subprocess.CompletedProcess:
+    proc = start(args, env, prefix)
+    out, err = proc.communicate(timeout=600)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def tiny_config(*overrides: str) -> configs.Config:
+    return launch.apply_overrides(configs.load("shakespeare_char_cpu"), [*TINY[1:], *overrides])
+
+
+def launch_args(rundir, *overrides: str) -> list[str]:
+    return ["launch.py", *TINY, f"--rundir={rundir}", *overrides]
+
+
+def records(rundir) -> list[dict]:
+    """metrics.jsonl without the wall-clock fields."""
+    lines = (rundir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "mfu")} for line in lines]
+
+
+def final_state(rundir, cfg: configs.Config) -> list[np.ndarray]:
+    """The model and optimizer arrays of the latest checkpoint."""
+    s = train.setup(cfg, train.make_mesh(cfg))
+    mngr = checkpoint_manager(epath.Path(rundir), cfg, read_only=True)
+    model, opt_state, _ = restore_checkpoint(mngr, s.model, s.opt_state)
+    return [np.asarray(x) for x in jax.tree.leaves((model, opt_state))]
+
+
+def committed_steps(rundir) -> list[int]:
+    ckpts = rundir / "checkpoints"
+    return sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.exists() else []
+
+
+def save_in_flight(rundir) -> bool:
+    """Orbax writes a step as STEP.orbax-checkpoint-tmp and renames it when complete."""
+    return (rundir / "checkpoints").exists() and any("tmp" in p.name for p in (rundir / "checkpoints").iterdir())
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, message: str) -> None:
+    """A non-zero exit, no traceback, and the message as the last line of stderr (a progress bar may precede it)."""
+    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, r.stderr
+    assert sum(line.startswith("error: ") for line in r.stderr.splitlines()) == 1, r.stderr
+
+
+@pytest.fixture(scope="module")
+def straight(shakespeare, tmp_path_factory, env):
+    """STEPS steps without interruption."""
+    rundir = tmp_path_factory.mktemp("straight") / "run"
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
+    assert r.returncode == 0, r.stderr
+    assert committed_steps(rundir) == [STEPS // 2, STEPS]
+    return records(rundir), final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+
+
+def test_stop_and_resume_equals_straight_run(straight, tmp_path, env):
+    """STEPS/2 steps, then the same command with max_steps=STEPS: the same per-step losses and evals in
+    metrics.jsonl, and bitwise the same final parameters and optimizer state."""
+    rundir = tmp_path / "run"
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS // 2}"), env)
+    assert r.returncode == 0, r.stderr
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
+    assert records(rundir) == straight[0]
+    for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    run_info = json.loads((rundir / "run.json").read_text())
+    assert f"--config.max_steps={STEPS // 2}" in run_info["argv"] and len(run_info["resumed"]) == 1
+
+
+def test_sigkill_at_random_moments_then_resume_equals_straight_run(straight, tmp_path, env):
+    """A checkpoint every step, and SIGKILL at 5 random moments: each once the run has reached a random
+    step, then either as soon as a save is in flight (orbax's temporary directory exists) or after a
+    random delay. The same command each time, then once more to the end: metrics.jsonl and the final
+    state are the straight run's."""
+    rundir, rng = tmp_path / "run", random.Random(0)
+    command = launch_args(rundir, f"--config.max_steps={STEPS}", "--config.ckpt_interval=1")
+    kills, during_save, resumed_from = 0, 0, []
+    for i, target in enumerate([*sorted(rng.sample(range(2, STEPS - 1), 5)), None]):
+        proc = start(command, env)
+        while target and proc.poll() is None:
+            if committed_steps(rundir)[-1:] >= [target] and (i % 2 or save_in_flight(rundir)):
+                time.sleep(rng.uniform(0.0, 0.2) if i % 2 else 0.0)
+                proc.kill()
+                kills += 1
+                break
+            time.sleep(0.002)
+        out = proc.communicate(timeout=600)[0]
+        during_save += proc.returncode == -signal.SIGKILL and save_in_flight(rundir)
+        if "resuming from the checkpoint of step" in out:
+            resumed_from.append(int(out.split("resuming from the checkpoint of step ")[1].split()[0]))
+    print(f"{kills} SIGKILLs, {during_save} of them during a save; resumed from steps {resumed_from}")
+    assert proc.returncode == 0 and kills == 5 and during_save >= 1 and len(resumed_from) == 5
+    assert records(rundir) == straight[0]
+    for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_the_current_step_and_exits_0(shakespeare, tmp_path, env, signum):
+    rundir = tmp_path / "run"
+    proc = start(launch_args(rundir, "--config.max_steps=100000", "--config.ckpt_interval=100000", "--config.log_interval=1"), env)
+    while proc.poll() is None and not ((rundir / "metrics.jsonl").exists() and len(records(rundir)) >= 4):
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    t = time.monotonic()
+    out, err = proc.communicate(timeout=120)
+    print(f"{signal.Signals(signum).name}: exited {time.monotonic() - t:.2f} s after the signal")
+    assert proc.returncode == 0, err
+    last = max(r["step"] for r in records(rundir))  # log_interval=1: every step finished is logged
+    assert committed_steps(rundir) == [last] and f"{signal.Signals(signum).name} at step {last}" in out
+
+
+def test_checkpoint_restores_onto_another_mesh(tmp_path, env):
+    """Saved on 8 simulated devices, restored on 2, trained and saved there, restored on 8: each restore
+    holds exactly the saved arrays, sharded over the new mesh as fresh arrays are, and trains on without
+    a retrace (the probe asserts all of it)."""
+    for devices in (8, 2, 8):
+        r = run([str(ROOT / "tests/ckpt_probe.py"), str(devices), str(tmp_path / "run"), str(tmp_path / "saved.npz")], env)
+        assert r.returncode == 0, r.stderr
+    assert committed_steps(tmp_path / "run") == [2, 4, 6]
+
+
+def test_nonfinite_step_is_skipped_and_leaves_the_state_as_it_was():
+    cfg = tiny()
+    s = train.setup(cfg, train.make_mesh(cfg))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, cfg.vocab_size, (1, 8, cfg.block_size)).astype(np.int32)
+    y = np.roll(x, -1, axis=2)
+    model = eqx.tree_at(lambda m: m.blocks.mlp.up, s.model, s.model.blocks.mlp.up.at[0, 0, 0].set(jnp.inf))
+    before = [np.asarray(a) for a in jax.tree.leaves((model, s.opt_state))]
+    model, opt_state, metrics = s.step(model, s.opt_state, x, y)  # donates its inputs: compare with copies
+    assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))
+    for a, b in zip(jax.tree.leaves((model, opt_state)), before, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    model = eqx.tree_at(lambda m: m.blocks.mlp.up, model, model.blocks.mlp.up.at[0, 0, 0].set(0.0))
+    model, opt_state, metrics = s.step(model, opt_state, x, y)
+    assert int(metrics["skipped"]) == 0 and int(opt_state[1].count) == 1  # applied: Adam's count moved
+
+
+def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shakespeare, tmp_path, env):
+    """learning_rate=1e39 is inf in float32: every update is non-finite, so every step is skipped. After
+    max_nonfinite=3 the run stops with one line; the checkpoint of step 2 holds the untouched initial
+    parameters (drawn again here) and zero Adam moments."""
+    rundir = tmp_path / "run"
+    overrides = ["--config.learning_rate=1e39", "--config.max_nonfinite=3", "--config.log_interval=1",
+                 "--config.ckpt_interval=2", "--config.max_steps=50"]
+    r = run(launch_args(rundir, *overrides), env)
+    assert_one_line_error(r, "3 steps in a row up to step 3 had a non-finite loss, gradient or update")
+    steps = [rec for rec in records(rundir) if "skipped" in rec]
+    assert [(rec["step"], rec["skipped"], rec["loss"]) for rec in steps] == [(1, 1, None), (2, 2, None), (3, 3, None)]
+    assert committed_steps(rundir) == [2]
+    cfg = tiny_config(*overrides)
+    state = final_state(rundir, cfg)
+    assert all(np.isfinite(a).all() for a in state)
+    init = [np.asarray(a) for a in jax.tree.leaves(eqx.filter(init_gpt(cfg, jax.random.key(cfg.seed)), eqx.is_array))]
+    for a, b in zip(state[:len(init)], init, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert all((a == 0).all() for a in state[len(init):])  # Adam moments and counts
+
+
+def test_resume_with_another_model_shape_is_one_line_and_writes_nothing(shakespeare, tmp_path, env):
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    saved = json.dumps(dataclasses.asdict(tiny_config()), indent=1)
+    (rundir / "config.json").write_text(saved)
+    r = run(launch_args(rundir, "--config.n_layer=3"), env)
+    assert_one_line_error(r, f"{rundir} holds a run with n_layer=2, this launch has n_layer=3: resuming may change only max_steps")
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert (rundir / "config.json").read_text() == saved and sorted(p.name for p in rundir.iterdir()) == ["config.json"]
+
+
+def test_unwritable_run_directory_is_one_line_before_training(shakespeare, tmp_path, env):
+    (tmp_path / "file").write_text("")
+    r = run(launch_args(tmp_path / "file" / "run"), env)
+    assert_one_line_error(r, f"cannot write the run directory {tmp_path / 'file' / 'run'}: Not a directory")
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_full_disk_at_a_save_is_one_line(shakespeare, tmp_path, env):
+    """A file size limit (ulimit -f: 128 blocks, 64 or 128 KiB) stands in for a full disk, which would
+    need a small filesystem and root to mount it: config.json and metrics.jsonl fit, the checkpoint's
+    ~400 KB do not, and Python ignores SIGXFSZ, so the write fails with EFBIG as with ENOSPC."""
+    rundir = tmp_path / "run"
+    limited = ("sh", "-c", 'ulimit -f 128 && exec "$0" "$@"')
+    r = run(launch_args(rundir, "--config.max_steps=6", "--config.ckpt_interval=3"), env, prefix=limited)
+    assert_one_line_error(r, f"saving a checkpoint to {rundir / 'checkpoints'} failed:")
+    assert "File too large" in r.stderr and committed_steps(rundir) == []

@@ -92,6 +92,8 @@ def open_rundir(args, cfg: Config) -> epath.Path:
         (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))  # last: it marks a run
     except OSError as e:
         raise UsageError(f"cannot write the run directory {rundir}: {e.strerror or e}") from None
+    except ImportError as e:  # epath reaches gs:// through fsspec, which needs gcsfs for it
+        raise UsageError(f"{rundir}: {e} (pip install gcsfs)") from None
     return rundir
 
 
@@ -125,8 +127,9 @@ def main(argv: list[str] | None = None) -> None:
 
         if not args.debug:
             quiet_failed_saves()
-
         if args.multihost:
+            if not args.rundir:
+                raise UsageError("--multihost needs --rundir: the default name's timestamp differs between hosts")
             jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
         cfg.check(jax.device_count())
         import data
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
             data.prepare_shakespeare_char(data.data_dir(cfg))
         data.load_split(cfg, "train"), data.load_split(cfg, "val")  # bad data is reported before the run directory
-        rundir = open_rundir(args, cfg)
+        # Process 0 checks and writes the run directory; the others only train in it.
+        rundir = open_rundir(args, cfg) if jax.process_index() == 0 else epath.Path(args.rundir)
         print(f"run directory {rundir}")
         train.train(cfg, rundir, debug=args.debug)
     except (UsageError, RunError) as e:

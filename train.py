@@ -131,14 +131,17 @@ def peak_flops(device) -> float | None:
 
 
 class Logger:
-    """Scalars to tensorboard event files and metrics.jsonl in the run directory (local or gs://). A run
-    resumed at step `start` first drops what was logged after that step (it came after the checkpoint),
-    so both read as one uninterrupted run."""
+    """Scalars to tensorboard event files and metrics.jsonl in the run directory (local or gs://), written
+    by process 0 alone (every process has the same numbers). A run resumed at step `start` first drops
+    what was logged after that step (it came after the checkpoint), so both read as one uninterrupted run."""
 
     def __init__(self, rundir: epath.Path, start: int):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
+        self.writes = jax.process_index() == 0
+        if not self.writes:
+            return
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.tb = EventFileWriter(str(rundir))
         if start:  # tensorboard discards the events of steps >= the step of a START session log
@@ -149,6 +152,8 @@ class Logger:
 
     def log(self, step: int, record: dict[str, float], tags: dict[str, str]) -> None:
         """Write record as one JSON line, and each value named in tags (record key -> tensorboard tag)."""
+        if not self.writes:
+            return
         self.lines.append(json.dumps({"step": step, **record}) + "\n")
         tmp = self.path.with_name(self.path.name + ".tmp")  # whole file, renamed into place: a kill never
         tmp.write_text("".join(self.lines))  # leaves half a line, and GCS objects cannot be appended to
@@ -158,7 +163,8 @@ class Logger:
         self.tb.flush()
 
     def close(self) -> None:
-        self.tb.close()
+        if self.writes:
+            self.tb.close()
 
 
 class Tally:

@@ -1,5 +1,6 @@
 """Checkpoints, resume, preemption and faults, with real orbax, real subprocesses and real signals."""
 import dataclasses
+import importlib.util
 import json
 import os
 import random
@@ -234,3 +235,10 @@ def test_full_disk_at_a_save_is_one_line(shakespeare, tmp_path, env):
     r = run(launch_args(rundir, "--config.max_steps=6", "--config.ckpt_interval=3"), env, prefix=limited)
     assert_one_line_error(r, f"saving a checkpoint to {rundir / 'checkpoints'} failed:")
     assert "File too large" in r.stderr and committed_steps(rundir) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
+def test_gs_run_directory_without_gcsfs_is_one_line(shakespeare, env):
+    r = run(["launch.py", *TINY, "--rundir=gs://no-such-bucket/run"], env)
+    assert_one_line_error(r, "gs://no-such-bucket/run: Please install gcsfs")
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -145,7 +145,8 @@ class Logger:
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.tb = EventFileWriter(str(rundir))
         if start:  # tensorboard discards the events of steps >= the step of a START session log
-            self.tb.add_event(self.event(step=start + 1, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+            start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self.tb.add_event(self.event(wall_time=time.time(), step=start + 1, session_log=start_log))
         self.path = rundir / "metrics.jsonl"
         old = self.path.read_text().splitlines(keepends=True) if start and self.path.exists() else []
         self.lines = [line for line in old if json.loads(line)["step"] <= start]
@@ -237,7 +238,7 @@ def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
 
 @eqx.filter_jit
 def all_finite(tree) -> jax.Array:
-    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
+    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if eqx.is_array(x)]).all()
 
 
 def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, float] | None:

@@ -147,8 +147,10 @@ def test_sigkill_at_random_moments_then_resume_equals_straight_run(straight, tmp
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_the_current_step_and_exits_0(shakespeare, tmp_path, env, signum):
+    """(With tied embeddings: their eqx.nn.Shared holds a non-array leaf that saving must leave out.)"""
     rundir = tmp_path / "run"
-    proc = start(launch_args(rundir, "--config.max_steps=100000", "--config.ckpt_interval=100000", "--config.log_interval=1"), env)
+    proc = start(launch_args(rundir, "--config.max_steps=100000", "--config.ckpt_interval=100000", "--config.log_interval=1",
+                             "--config.tie_embeddings=true"), env)
     while proc.poll() is None and not ((rundir / "metrics.jsonl").exists() and len(records(rundir)) >= 4):
         time.sleep(0.05)
     proc.send_signal(signum)

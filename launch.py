@@ -81,7 +81,7 @@ def open_rundir(args, cfg: Config) -> epath.Path:
             if not isinstance(saved, dict):
                 raise UsageError(f"{rundir}/config.json is not a run's config; pass a new --rundir")
             for name, new in dataclasses.asdict(cfg).items():
-                if name not in configs.RESUMABLE and saved.get(name, "absent") != new:
+                if name not in configs.RESUMABLE and (name not in saved or saved[name] != new):
                     was = f"{name}={saved[name]!r}" if name in saved else f"no {name}"
                     raise UsageError(f"{rundir} holds a run with {was}, this launch has {name}={new!r}: "
                                      f"resuming may change only {', '.join(configs.RESUMABLE)}")

@@ -9,7 +9,7 @@ from typing import Literal
 
 
 class UsageError(ValueError):
-    """Bad user input (config, data, run directory): printed as one line, and the exit code is 2."""
+    """Bad user input (config, data, run directory): printed as one line, and the exit code is 1."""
 
 
 class RunError(RuntimeError):

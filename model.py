@@ -83,6 +83,10 @@ class Attention(eqx.Module):
         # Softmax in float32 inside; cuDNN flash attention on GPU when impl="cudnn".
         o_THK = jax.nn.dot_product_attention(q_THK, k_THK, v_THK, scale=self.scale, is_causal=True,
                                              implementation=self.impl)
+        return self.output(o_THK)
+
+    def output(self, o_THK: Array) -> Array:
+        """The heads' outputs mixed back to width D; sample.py calls this after attending to its cache."""
         T, H, K = o_THK.shape
         return linear(o_THK.reshape(T, H * K), self.out.astype(self.dtype).reshape(H * K, -1))
 
@@ -104,7 +108,11 @@ class Block(eqx.Module):
     mlp: MLP
 
     def __call__(self, x_TD: Array, pos_T: Array) -> Array:
-        x_TD = x_TD + self.attn(rms_norm(x_TD, self.attn_norm), pos_T)
+        return self.after_attention(x_TD, self.attn(rms_norm(x_TD, self.attn_norm), pos_T))
+
+    def after_attention(self, x_TD: Array, attn_TD: Array) -> Array:
+        """The rest of the block once the attention output is known (sample.py's comes from its KV cache)."""
+        x_TD = x_TD + attn_TD
         return x_TD + self.mlp(rms_norm(x_TD, self.mlp_norm))
 
 
@@ -134,12 +142,15 @@ class GPT(eqx.Module):
 
     def __call__(self, tokens_T: Int[Array, "T"]) -> Float[Array, "T V"]:
         """Logits in float32 for one sequence."""
-        emb = self.embeddings()
-        pos_T = jnp.arange(tokens_T.shape[0])
-        x_TD = emb.embed[tokens_T].astype(self.dtype)
-        x_TD = self.run_blocks(x_TD, pos_T)
+        return self.logits(self.run_blocks(self.embed(tokens_T), jnp.arange(tokens_T.shape[0])))
+
+    def embed(self, tokens_T: Int[Array, "T"]) -> Array:
+        return self.embeddings().embed[tokens_T].astype(self.dtype)
+
+    def logits(self, x_TD: Array) -> Float[Array, "T V"]:
+        """The final norm and the readout, in float32; sample.py calls embed, the blocks and this apart."""
         h_TD = rms_norm(x_TD, self.final_norm)
-        return linear(h_TD, emb.unembed.astype(self.dtype).T).astype(jnp.float32)
+        return linear(h_TD, self.embeddings().unembed.astype(self.dtype).T).astype(jnp.float32)
 
     def run_blocks(self, x_TD: Array, pos_T: Array) -> Array:
         """All L blocks by lax.scan over the stacked parameters: compile time does not grow with depth."""

@@ -21,6 +21,7 @@ import data
 from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_checkpoint, stop_signals
 from configs import Config, RunError
 from model import GPT, Policy, init_gpt, partition_specs, policy_table
+import sample
 
 BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): every device holds B / devices sequences
 
@@ -163,6 +164,13 @@ class Logger:
         self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=self.summary(value=values)))
         self.tb.flush()
 
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Text for tensorboard's text plugin (which renders it as markdown)."""
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=text_pb(tag, text)))
+        self.tb.flush()
+
     def close(self) -> None:
         if self.writes:
             self.tb.close()
@@ -268,6 +276,8 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         record = {**evaluate(model, cfg, eval_splits, eval_sharding), "lr": float(schedule(step)),
                   "tokens_per_s": tokens_per_s}
         logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
+        # A short sample from the start of the val split, in a markdown code block to keep its line breaks.
+        logger.text(step, "sample", f"```\n{sample.preview(model, cfg, val_tokens[:8].tolist())}\n```")
         bar.write(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         return record
 

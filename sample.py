@@ -1,0 +1,243 @@
+"""Generate text from a run:  python sample.py --rundir=DIR [--start=TEXT | --start=FILE:path] [--step=S]
+    [--num_samples=N] [--max_new_tokens=N] [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S]
+
+Decoding keeps a key/value cache of block_size positions and runs in one jitted lax.scan, one token per
+step for all samples at once. The model was trained on block_size positions, so that is its context:
+a longer prompt keeps its last block_size tokens, and when the cache is full the window slides by half:
+the last block_size // 2 tokens are run through the model again from position 0 (a fresh cache) and
+generation goes on, so every new token sees between block_size // 2 and block_size tokens.
+
+Shapes as in model.py, plus S cache positions (block_size) and N new tokens per sample.
+"""
+import argparse
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from etils import epath
+
+import data
+from configs import Config, UsageError
+from model import GPT, rms_norm
+
+
+class Cache(NamedTuple):
+    """Keys and values of one sequence at positions 0..S-1 for every layer (RoPE already applied to k)."""
+    k_LSHK: jax.Array
+    v_LSHK: jax.Array
+
+
+def empty_cache(model: GPT, S: int) -> Cache:
+    L, _, _, H, K = model.blocks.attn.qkv.shape
+    zeros = jnp.zeros((L, S, H, K), model.dtype)
+    return Cache(zeros, zeros)
+
+
+def extend(model: GPT, cache: Cache, tokens_T: jax.Array, start) -> tuple[jax.Array, Cache]:
+    """Run tokens_T at positions start..start+T-1 through the blocks, writing their keys and values into
+    the cache there, each attending to the cache's positions up to its own. One function serves the
+    prefill (T = S, start 0) and each decode step (T = 1): the model's own pieces, called in the same
+    order as Block.__call__, so the two paths cannot drift apart. Returns the last block's output."""
+    S = cache.k_LSHK.shape[1]
+    pos_T = start + jnp.arange(tokens_T.shape[0])
+    # Positions past the newest are stale or empty, earlier ones are this sequence's past: a causal
+    # mask by position. (Not is_causal: it aligns queries to keys from position 0, true only in prefill.)
+    mask_1TS = (jnp.arange(S)[None, :] <= pos_T[:, None])[None]
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+
+    def layer(x_TD, inputs):
+        block_params, k_SHK, v_SHK = inputs
+        block = eqx.combine(block_params, static)
+        q_THK, k_THK, v_THK = block.attn.project(rms_norm(x_TD, block.attn_norm), pos_T)
+        k_SHK = jax.lax.dynamic_update_slice_in_dim(k_SHK, k_THK, start, axis=0)
+        v_SHK = jax.lax.dynamic_update_slice_in_dim(v_SHK, v_THK, start, axis=0)
+        o_THK = jax.nn.dot_product_attention(q_THK, k_SHK, v_SHK, mask=mask_1TS, scale=block.attn.scale)
+        return block.after_attention(x_TD, block.attn.output(o_THK)), (k_SHK, v_SHK)
+
+    x_TD, (k_LSHK, v_LSHK) = jax.lax.scan(layer, model.embed(tokens_T), (params, *cache), unroll=model.unroll)
+    return x_TD, Cache(k_LSHK, v_LSHK)
+
+
+def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: int, top_p: float) -> jax.Array:
+    """One token: argmax at temperature 0, else a draw from softmax(logits / temperature) restricted to
+    the top_k most likely tokens (0: all) and then to the smallest set holding top_p of the mass.
+    The temperature is traced (no recompilation per value); top_k and top_p shape the computation."""
+    # The model pads its vocabulary (cfg.vocab_multiple); the padding rows are untrained ids the
+    # tokenizer cannot decode.
+    logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < n_vocab, logits_V, -jnp.inf)
+    greedy = jnp.argmax(logits_V)
+    logits_V = logits_V / jnp.where(temperature > 0, temperature, 1.0)
+    if top_k:
+        kth = jax.lax.top_k(logits_V, min(top_k, n_vocab))[0][-1]
+        logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
+    if top_p < 1:  # nucleus sampling (Holtzman et al. 2020): keep a token if the mass before it is < top_p
+        sorted_V = jnp.sort(logits_V)[::-1]
+        probs_V = jax.nn.softmax(sorted_V)
+        n_keep = jnp.sum(jnp.cumsum(probs_V) - probs_V < top_p)
+        logits_V = jnp.where(logits_V < sorted_V[n_keep - 1], -jnp.inf, logits_V)
+    return jnp.where(temperature > 0, jax.random.categorical(key, logits_V), greedy)
+
+
+@eqx.filter_jit  # not jax.jit: a model with tied embeddings holds a non-array leaf (eqx.nn.Shared)
+def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.Array, *, num_samples: int,
+             max_new_tokens: int, n_vocab: int, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """(num_samples, max_new_tokens) tokens following the prompt: prompt_S is its tokens padded with -1
+    to the cache length S (prompt_window), so one compilation serves every prompt length; key and
+    temperature are traced arrays too (a Python float would be compiled in). The prompt is shared, so
+    it is prefilled once and its cache copied to every sample; then a lax.scan, one token per step,
+    with the batch added by jax.vmap around the per-sequence extend (as train.py adds it around the
+    model). Sample b's step i draws with fold_in(fold_in(key, b), i): a sample does not depend on how
+    many others are drawn with it."""
+    S, B = prompt_S.shape[0], num_samples
+    n_prompt, prompt_S = jnp.sum(prompt_S >= 0), jnp.maximum(prompt_S, 0)
+    keep = S // 2  # tokens kept when the window slides
+    sample_keys_B = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
+    pick_B = jax.vmap(partial(pick, n_vocab=n_vocab, top_k=top_k, top_p=top_p), in_axes=(0, 0, None))
+    draw = lambda logits_BV, i: pick_B(logits_BV, jax.vmap(jax.random.fold_in, (0, None))(sample_keys_B, i), temperature)
+    extend_B = jax.vmap(extend, in_axes=(None, 0, 0, None))
+
+    x_SD, cache = extend(model, empty_cache(model, S), prompt_S, 0)
+    logits_V = model.logits(jax.lax.dynamic_slice_in_dim(x_SD, n_prompt - 1, 1))[0]
+    first_B = draw(jnp.broadcast_to(logits_V, (B, *logits_V.shape)), 0)
+    cache_B = jax.tree.map(lambda c: jnp.broadcast_to(c, (B, *c.shape)), cache)
+    window_BS = jnp.broadcast_to(prompt_S, (B, S))  # the tokens whose keys and values the cache holds
+
+    def slide(cache_B, window_BS):
+        window_BS = jnp.roll(window_BS, keep - S, axis=1)  # the last `keep` tokens to the front
+        # Rerun from position 0: positions >= keep get keys of the rolled-over tokens, which the
+        # position mask hides until the new tokens overwrite them.
+        return extend_B(model, cache_B, window_BS, 0)[1], window_BS, jnp.int32(keep)
+
+    def step(carry, i):
+        cache_B, window_BS, token_B, pos = carry  # token_B is the newest token, not yet in the cache
+        cache_B, window_BS, pos = jax.lax.cond(pos == S, slide, lambda c, w: (c, w, pos), cache_B, window_BS)
+        window_BS = jax.lax.dynamic_update_slice_in_dim(window_BS, token_B[:, None], pos, axis=1)
+        x_B1D, cache_B = extend_B(model, cache_B, token_B[:, None], pos)
+        token_B = draw(jax.vmap(model.logits)(x_B1D)[:, 0], i)
+        return (cache_B, window_BS, token_B, pos + 1), token_B
+
+    carry = (cache_B, window_BS, first_B, n_prompt.astype(jnp.int32))
+    _, rest_NB = jax.lax.scan(step, carry, jnp.arange(1, max_new_tokens))
+    return jnp.concatenate([first_B[:, None], rest_NB.T], axis=1)
+
+
+def prompt_window(prompt: list[int], S: int) -> jax.Array:
+    """The prompt's last S tokens, padded with -1 to S tokens: generate's fixed shape."""
+    prompt = prompt[-S:]
+    return jnp.full(S, -1, jnp.int32).at[:len(prompt)].set(jnp.asarray(prompt, jnp.int32))
+
+
+
+def preview(model: GPT, cfg: Config, prompt: list[int], n: int = 128) -> str:
+    """One short sample for the training log (train.py writes one at each evaluation): the prompt and n
+    tokens at temperature 1, drawn with the same key every time, so successive ones show what training
+    changed."""
+    meta = data.read_meta(cfg)
+    tokens_1N = generate(model, prompt_window(prompt, cfg.block_size), jax.random.key(cfg.seed), jnp.float32(1.0),
+                         num_samples=1, max_new_tokens=n, n_vocab=meta["vocab_size"])
+    return data.tokenizer(meta)[1](prompt + jax.device_get(tokens_1N)[0].tolist())
+
+def read_config(rundir: Path) -> Config:
+    """The run's resolved config (launch.py wrote config.json); fields it lacks take today's defaults."""
+    if not rundir.is_dir():
+        raise UsageError(f"no run directory {rundir}")
+    if not (rundir / "config.json").exists():
+        raise UsageError(f"{rundir} holds no run: it has no config.json")
+    saved = json.loads((rundir / "config.json").read_text())
+    unknown = sorted(set(saved) - set(Config.__dataclass_fields__))
+    if unknown:
+        raise UsageError(f"{rundir}/config.json has fields this code does not know ({', '.join(unknown)}): "
+                         f"a run of another version of mugpt")
+    return Config(**saved)
+
+
+def restore_model(rundir: Path, cfg: Config, step: int | None) -> tuple[GPT, int]:
+    """The model of the run's latest checkpoint (checkpoint.py's), on one device: sampling needs no
+    mesh. checkpoint.py restores the optimizer state with it; it is dropped."""
+    import train  # with orbax, slow to load: bad arguments are reported before it
+    from checkpoint import checkpoint_manager, restore_checkpoint
+
+    mngr = checkpoint_manager(epath.Path(rundir), cfg, read_only=True)
+    steps = mngr.all_steps()
+    if not steps:
+        raise UsageError(f"{rundir} has no checkpoint yet (training writes one every ckpt_interval={cfg.ckpt_interval} "
+                         f"steps and at the end)")
+    if step is not None and step != max(steps):
+        raise UsageError(f"--step={step}: the checkpoints of {rundir} are of steps {', '.join(map(str, sorted(steps)))}; "
+                         f"sample.py can restore only the latest, {max(steps)}")
+    auto = jax.sharding.AxisType.Auto
+    one_device = jax.make_mesh((1, 1), ("replica", "fsdp"), axis_types=(auto, auto), devices=jax.devices()[:1])
+    s = train.setup(cfg, one_device)
+    return restore_checkpoint(mngr, s.model, s.opt_state)[0], max(steps)
+def read_prompt(start: str) -> str:
+    if start.startswith("FILE:"):
+        path = Path(start[len("FILE:"):])
+        if not path.is_file():
+            raise UsageError(f"--start=FILE:{path}: no such file")
+        start = path.read_text()
+    if not start:
+        raise UsageError("the prompt is empty: pass --start=TEXT (a newline, say) or --start=FILE:path")
+    return start
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rundir", required=True, help="a run directory written by launch.py")
+    ap.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
+    ap.add_argument("--start", default="\n", help="the prompt, or FILE:path to read it from a file (default a newline); "
+                                                  "of a prompt longer than block_size, the last block_size tokens are kept")
+    ap.add_argument("--num_samples", type=int, default=3)
+    ap.add_argument("--max_new_tokens", type=int, default=500,
+                    help="tokens to generate per sample; past block_size the window slides by block_size // 2")
+    ap.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
+    ap.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens only (0: all)")
+    ap.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens holding this mass")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    for name, ok, need in (("num_samples", args.num_samples >= 1, "at least 1"),
+                           ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
+                           ("temperature", args.temperature >= 0, "at least 0 (0: greedy)"),
+                           ("top_k", args.top_k >= 0, "at least 0 (0: off)"), ("top_p", 0 < args.top_p <= 1, "in (0, 1]")):
+        if not ok:
+            raise UsageError(f"--{name}={getattr(args, name)} must be {need}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_args(args)
+        rundir = Path(args.rundir)
+        cfg = read_config(rundir)
+        encode, decode = data.tokenizer(meta := data.read_meta(cfg))
+        prompt = encode(read_prompt(args.start))
+        if len(prompt) > cfg.block_size:
+            print(f"note: the prompt has {len(prompt)} tokens; keeping its last block_size={cfg.block_size}", file=sys.stderr)
+        model, step = restore_model(rundir, cfg, args.step)
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+    prompt = prompt[-cfg.block_size:]
+    inputs = (model, prompt_window(prompt, cfg.block_size), jax.random.key(args.seed), jnp.float32(args.temperature))
+    settings = dict(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, n_vocab=meta["vocab_size"],
+                    top_k=args.top_k, top_p=args.top_p)
+    t0 = time.perf_counter()
+    compiled = generate.lower(*inputs, **settings).compile()
+    t1 = time.perf_counter()
+    tokens_BN = jax.device_get(compiled(*inputs, **settings))
+    t2 = time.perf_counter()
+    for tokens_N in tokens_BN:
+        print(decode(prompt) + decode(tokens_N.tolist()))
+        print("-" * 40)
+    print(f"{rundir} step {step}: {tokens_BN.size} tokens ({args.num_samples} x {args.max_new_tokens}) in {t2 - t1:.2f} s: "
+          f"{tokens_BN.size / (t2 - t1):,.0f} tokens/s on {jax.devices()[0].device_kind} (compilation, {t1 - t0:.1f} s, not counted)")
+
+if __name__ == "__main__":
+    main()

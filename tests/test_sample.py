@@ -1,0 +1,175 @@
+"""sample.py: cached decoding against full recomputation, the sampling rules, the CLI's errors."""
+import dataclasses
+import json
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import data
+import sample
+import train
+from conftest import run as run_process, tiny
+from test_model import random_gpt
+
+N_VOCAB = 65  # shakespeare_char's characters; the model pads its vocabulary to 128
+
+
+@pytest.fixture(scope="module")
+def trained(shakespeare):
+    """A tiny model trained for 40 steps on shakespeare_char, and its config."""
+    cfg = tiny(block_size=32, d_model=64, learning_rate=3e-3, min_lr=3e-3, max_steps=40)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    tokens = data.load_split(cfg, "train")
+    model, opt_state = s.model, s.opt_state
+    for step in range(cfg.max_steps):
+        x, y = data.get_batch(tokens, cfg.seed, data.TRAIN, step, cfg.batch_size, cfg.block_size)
+        model, opt_state, metrics = s.step(model, opt_state, x[None], y[None])
+    assert float(metrics["loss"]) < 3.3  # it learnt something (ln 65 = 4.17)
+    return model, cfg
+
+
+def greedy_by_recomputation(model, prompt: list[int], n: int, S: int) -> list[int]:
+    """The reference: each token the argmax of the full forward pass over its context, recomputed from
+    scratch, the context being the tokens since the window last slid (by S - S // 2 once it held S + 1).
+    The context is padded to S tokens, so the forward pass compiles once; being causal, the model's
+    logits at the last real token do not see the padding."""
+    forward = jax.jit(model.__call__)
+    tokens, first = list(prompt), 0
+    for _ in range(n):
+        if len(tokens) - first > S:
+            first += S - S // 2
+        context = tokens[first:]
+        logits_TV = np.asarray(forward(jnp.asarray(context + [0] * (S - len(context)))))
+        tokens.append(int(np.argmax(logits_TV[len(context) - 1, :N_VOCAB])))
+    return tokens[len(prompt):]
+
+
+def run(model, cfg, prompt: list[int], seed=0, temperature=1.0, **settings) -> np.ndarray:
+    settings = {"num_samples": 2, "max_new_tokens": 60, "n_vocab": N_VOCAB, **settings}
+    return np.asarray(sample.generate(model, sample.prompt_window(prompt, cfg.block_size), jax.random.key(seed),
+                                      jnp.float32(temperature), **settings))
+
+
+def test_cached_greedy_equals_greedy_by_recomputation(trained):
+    """60 tokens from a 5-token prompt with a 32-token window: 27 within it, then two slides."""
+    model, cfg = trained
+    prompt = [18, 47, 56, 57, 58]  # "First"
+    want = greedy_by_recomputation(model, prompt, 60, cfg.block_size)
+    got = run(model, cfg, prompt, temperature=0.0)
+    assert len(set(want)) > 3  # not one token repeated: a real check of the cache
+    assert got[0].tolist() == want and got[1].tolist() == want
+
+
+def test_extend_gives_the_full_forward_logits():
+    """Prefill of 5 tokens, then 11 single-token steps: every position's logits equal the full pass's,
+    on a model with every parameter random (tied embeddings, norm gains) so that no term hides."""
+    cfg = tiny(block_size=16, tie_embeddings=True, norm_gain=True)
+    model = random_gpt(cfg)
+    tokens_T = jnp.asarray(np.random.default_rng(0).integers(0, N_VOCAB, 16))
+    want_TV = np.asarray(model(tokens_T))
+    extend = eqx.filter_jit(sample.extend)  # compiled once for the prefill and once for the steps
+    x_TD, cache = extend(model, sample.empty_cache(model, 16), tokens_T[:5], 0)
+    got = [model.logits(x_TD)]
+    for t in range(5, 16):
+        x_1D, cache = extend(model, cache, tokens_T[t:t + 1], jnp.int32(t))
+        got.append(model.logits(x_1D))
+    np.testing.assert_allclose(np.concatenate(got), want_TV, rtol=1e-4, atol=1e-4)
+
+
+def test_top_k_1_is_greedy_and_the_seed_fixes_the_samples(trained):
+    model, cfg = trained
+    prompt = [0]  # a newline
+    greedy = run(model, cfg, prompt, temperature=0.0)
+    assert (run(model, cfg, prompt, top_k=1, seed=3) == greedy).all()
+    assert (run(model, cfg, prompt, top_p=1e-6, seed=3) == greedy).all()  # the nucleus of one token
+    a, b, c = (run(model, cfg, prompt, seed=s) for s in (7, 7, 8))
+    assert (a == b).all() and not (a == c).all() and not (a[0] == a[1]).all()
+    assert not (a == greedy).all()
+    # sample 0 does not depend on how many samples are drawn with it
+    assert (run(model, cfg, prompt, seed=7, num_samples=1)[0] == a[0]).all()
+
+
+def test_low_temperature_approaches_greedy(trained):
+    model, cfg = trained
+    greedy = run(model, cfg, [0], temperature=0.0)
+    agree = {t: (run(model, cfg, [0], temperature=t, seed=1) == greedy).mean() for t in (1.0, 0.3, 1e-3)}
+    assert agree[1.0] < agree[0.3] < 1.0 and agree[1e-3] == 1.0, agree
+
+
+def test_pick_draws_only_from_the_top_k_and_the_nucleus():
+    logits_V = jnp.log(jnp.array([0.05, 0.5, 0.15, 0.3, 0.0]))  # token 4 is padding: never drawn
+    keys = jax.random.split(jax.random.key(0), 2000)
+
+    def draws(**kw):
+        kw = {"n_vocab": 4, "top_k": 0, "top_p": 1.0, **kw}
+        temperature = kw.pop("temperature", 1.0)
+        return np.bincount(jax.vmap(lambda k: sample.pick(logits_V, k, temperature, **kw))(keys), minlength=5) / len(keys)
+
+    assert draws()[[0, 4]].tolist() == pytest.approx([0.05, 0.0], abs=0.02)
+    assert draws(top_k=2).tolist() == pytest.approx([0, 0.5 / 0.8, 0, 0.3 / 0.8, 0], abs=0.04)
+    assert draws(top_p=0.7).tolist() == pytest.approx([0, 0.5 / 0.8, 0, 0.3 / 0.8, 0], abs=0.04)  # 0.5 < 0.7 <= 0.8
+    assert draws(top_p=0.85).tolist() == pytest.approx([0, 0.5 / 0.95, 0.15 / 0.95, 0.3 / 0.95, 0], abs=0.04)
+    assert draws(temperature=0.0).tolist() == [0, 1, 0, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def run_dir(shakespeare, tmp_path_factory):
+    """A run directory as launch.py leaves it: config.json, event files and (with checkpoint.py) a
+    checkpoint of the last step, from 10 steps of a tiny model with evaluations at 0, 5 and 10."""
+    cfg = tiny(max_steps=10, eval_interval=5)
+    rundir = tmp_path_factory.mktemp("run")
+    (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    train.train(cfg, rundir)
+    return rundir
+
+
+def test_training_writes_a_text_sample_at_each_eval(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    assert "sample" in acc.Tags()["tensors"]
+    events = acc.Tensors("sample")
+    assert [e.step for e in events] == [0, 5, 10]
+    chars = set(data.read_meta(tiny())["tokenizer"]["chars"])
+    for e in events:
+        text = e.tensor_proto.string_val[0].decode()
+        assert text.startswith("```\n?\n\nGREMI") and text.endswith("\n```")  # the val split's first 8 characters
+        body = text[len("```\n"):-len("\n```")]
+        assert len(body) == 8 + 128 and set(body) <= chars
+
+
+def test_cli_prints_samples_and_tokens_per_s(run_dir, capsys):
+    pytest.importorskip("checkpoint")
+    sample.main([f"--rundir={run_dir}", "--start=ROMEO:", "--num_samples=2", "--max_new_tokens=40", "--seed=1"])
+    *samples, speed = capsys.readouterr().out.split("-" * 40 + "\n")  # each sample is followed by a rule
+    assert len(samples) == 2 and all(s.startswith("ROMEO:") and len(s) == len("ROMEO:") + 40 + 1 for s in samples)
+    assert re.fullmatch(rf"{run_dir} step 10: 80 tokens \(2 x 40\) in .* s: [\d,]+ tokens/s on .*\n", speed), speed
+
+
+def error_line(argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        sample.main(argv)
+    assert isinstance(e.value.code, str) and "\n" not in e.value.code
+    return e.value.code
+
+
+def test_bad_input_is_one_line(run_dir, tmp_path):
+    assert error_line([f"--rundir={tmp_path / 'nope'}"]) == f"error: no run directory {tmp_path / 'nope'}"
+    assert error_line([f"--rundir={tmp_path}"]) == f"error: {tmp_path} holds no run: it has no config.json"
+    assert error_line([f"--rundir={run_dir}", "--start="]).startswith("error: the prompt is empty")
+    assert error_line([f"--rundir={run_dir}", "--start=FILE:" + str(tmp_path / "none.txt")]).endswith("no such file")
+    assert error_line([f"--rundir={run_dir}", "--top_p=0"]) == "error: --top_p=0.0 must be in (0, 1]"
+    pytest.importorskip("checkpoint")
+    assert error_line([f"--rundir={run_dir}", "--step=7"]).startswith("error: --step=7: the checkpoints of")
+    (tmp_path / "config.json").write_text((run_dir / "config.json").read_text())  # a run without a checkpoint
+    assert error_line([f"--rundir={tmp_path}"]).startswith(f"error: {tmp_path} has no checkpoint yet")
+
+
+def test_characters_outside_the_vocabulary_are_one_line_on_stderr(run_dir):
+    r = run_process(["sample.py", f"--rundir={run_dir}", "--start=Zürich"])
+    assert r.returncode != 0 and r.stderr == "error: characters 'ü' are not in the dataset's vocabulary\n", r.stderr

@@ -116,6 +116,8 @@ def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.A
 
     def step(carry, i):
         cache_B, window_BS, token_B, pos = carry  # token_B is the newest token, not yet in the cache
+        # pos is one number for all samples (they share the prompt), so this cond is a real branch, not a
+        # select that would run the slide's prefill at every step.
         cache_B, window_BS, pos = jax.lax.cond(pos == S, slide, lambda c, w: (c, w, pos), cache_B, window_BS)
         window_BS = jax.lax.dynamic_update_slice_in_dim(window_BS, token_B[:, None], pos, axis=1)
         x_B1D, cache_B = extend_B(model, cache_B, token_B[:, None], pos)
@@ -133,7 +135,6 @@ def prompt_window(prompt: list[int], S: int) -> jax.Array:
     return jnp.full(S, -1, jnp.int32).at[:len(prompt)].set(jnp.asarray(prompt, jnp.int32))
 
 
-
 def preview(model: GPT, cfg: Config, prompt: list[int], n: int = 128) -> str:
     """One short sample for the training log (train.py writes one at each evaluation): the prompt and n
     tokens at temperature 1, drawn with the same key every time, so successive ones show what training
@@ -143,7 +144,8 @@ def preview(model: GPT, cfg: Config, prompt: list[int], n: int = 128) -> str:
                          num_samples=1, max_new_tokens=n, n_vocab=meta["vocab_size"])
     return data.tokenizer(meta)[1](prompt + jax.device_get(tokens_1N)[0].tolist())
 
-def read_config(rundir: Path) -> Config:
+
+def read_config(rundir: epath.Path) -> Config:
     """The run's resolved config (launch.py wrote config.json); fields it lacks take today's defaults."""
     if not rundir.is_dir():
         raise UsageError(f"no run directory {rundir}")
@@ -157,13 +159,13 @@ def read_config(rundir: Path) -> Config:
     return Config(**saved)
 
 
-def restore_model(rundir: Path, cfg: Config, step: int | None) -> tuple[GPT, int]:
+def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GPT, int]:
     """The model of the run's latest checkpoint (checkpoint.py's), on one device: sampling needs no
     mesh. checkpoint.py restores the optimizer state with it; it is dropped."""
     import train  # with orbax, slow to load: bad arguments are reported before it
     from checkpoint import checkpoint_manager, restore_checkpoint
 
-    mngr = checkpoint_manager(epath.Path(rundir), cfg, read_only=True)
+    mngr = checkpoint_manager(rundir, cfg, read_only=True)
     steps = mngr.all_steps()
     if not steps:
         raise UsageError(f"{rundir} has no checkpoint yet (training writes one every ckpt_interval={cfg.ckpt_interval} "
@@ -175,6 +177,8 @@ def restore_model(rundir: Path, cfg: Config, step: int | None) -> tuple[GPT, int
     one_device = jax.make_mesh((1, 1), ("replica", "fsdp"), axis_types=(auto, auto), devices=jax.devices()[:1])
     s = train.setup(cfg, one_device)
     return restore_checkpoint(mngr, s.model, s.opt_state)[0], max(steps)
+
+
 def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
         path = Path(start[len("FILE:"):])
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_args(args)
-        rundir = Path(args.rundir)
+        rundir = epath.Path(args.rundir)  # local, or gs://
         cfg = read_config(rundir)
         encode, decode = data.tokenizer(meta := data.read_meta(cfg))
         prompt = encode(read_prompt(args.start))
@@ -234,10 +238,11 @@ def main(argv: list[str] | None = None) -> None:
     tokens_BN = jax.device_get(compiled(*inputs, **settings))
     t2 = time.perf_counter()
     for tokens_N in tokens_BN:
-        print(decode(prompt) + decode(tokens_N.tolist()))
+        print(decode(prompt + tokens_N.tolist()))  # decoded together: a BPE character may span the two
         print("-" * 40)
     print(f"{rundir} step {step}: {tokens_BN.size} tokens ({args.num_samples} x {args.max_new_tokens}) in {t2 - t1:.2f} s: "
           f"{tokens_BN.size / (t2 - t1):,.0f} tokens/s on {jax.devices()[0].device_kind} (compilation, {t1 - t0:.1f} s, not counted)")
+
 
 if __name__ == "__main__":
     main()

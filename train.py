@@ -165,9 +165,12 @@ class Logger:
         self.tb.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
-        """Text for tensorboard's text plugin (which renders it as markdown)."""
+        """Text for tensorboard's text plugin (which renders it as markdown); process 0 writes it. Every
+        process computes it: a sample of a model sharded over hosts is a computation of all of them."""
         from tensorboard.plugins.text.summary_v2 import text_pb
 
+        if not self.writes:
+            return
         self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=text_pb(tag, text)))
         self.tb.flush()
 

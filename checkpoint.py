@@ -34,8 +34,9 @@ def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_stat
     mngr.save(step, args=ocp.args.Composite(state=state, tally=ocp.args.JsonSave(tally)), force=True)
 
 
-def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state) -> tuple[GPT, optax.OptState, dict]:
-    """The latest complete checkpoint, onto the shardings of `model` and `opt_state` (fresh from setup(),
+def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
+                       step: int | None = None) -> tuple[GPT, optax.OptState, dict]:
+    """The checkpoint of `step` (default: the latest complete one; sample.py --step picks another), onto the shardings of `model` and `opt_state` (fresh from setup(),
     on this run's mesh, which may differ from the saving run's), so the restored arrays are what the
     compiled step expects and it does not retrace. Their buffers are freed first: two copies of the
     state may not fit in device memory."""
@@ -44,7 +45,7 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state) -> tu
                           {"model": params, "opt_state": opt_state})
     jax.tree.map(lambda x: x.delete(), (params, opt_state))
     args = ocp.args.Composite(state=ocp.args.StandardRestore(target), tally=ocp.args.JsonRestore())
-    restored = mngr.restore(mngr.latest_step(), args=args)
+    restored = mngr.restore(mngr.latest_step() if step is None else step, args=args)
     return eqx.combine(restored.state["model"], static), restored.state["opt_state"], restored.tally
 
 

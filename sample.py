@@ -11,6 +11,7 @@ Shapes as in model.py, plus S cache positions (block_size) and N new tokens per 
 """
 import argparse
 import json
+import logging
 import sys
 import time
 from functools import partial
@@ -160,23 +161,24 @@ def read_config(rundir: epath.Path) -> Config:
 
 
 def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GPT, int]:
-    """The model of the run's latest checkpoint (checkpoint.py's), on one device: sampling needs no
-    mesh. checkpoint.py restores the optimizer state with it; it is dropped."""
+    """The model of the run's checkpoint of `step` (default: the latest), on one device: sampling needs
+    no mesh. checkpoint.py restores the optimizer state with it; it is dropped."""
     import train  # with orbax, slow to load: bad arguments are reported before it
     from checkpoint import checkpoint_manager, restore_checkpoint
 
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax warns of each option a read-only manager overrides
     mngr = checkpoint_manager(rundir, cfg, read_only=True)
-    steps = mngr.all_steps()
+    steps = sorted(mngr.all_steps())
     if not steps:
         raise UsageError(f"{rundir} has no checkpoint yet (training writes one every ckpt_interval={cfg.ckpt_interval} "
                          f"steps and at the end)")
-    if step is not None and step != max(steps):
-        raise UsageError(f"--step={step}: the checkpoints of {rundir} are of steps {', '.join(map(str, sorted(steps)))}; "
-                         f"sample.py can restore only the latest, {max(steps)}")
+    if step is not None and step not in steps:
+        raise UsageError(f"--step={step}: {rundir} has checkpoints of steps {', '.join(map(str, steps))} only")
     auto = jax.sharding.AxisType.Auto
     one_device = jax.make_mesh((1, 1), ("replica", "fsdp"), axis_types=(auto, auto), devices=jax.devices()[:1])
     s = train.setup(cfg, one_device)
-    return restore_checkpoint(mngr, s.model, s.opt_state)[0], max(steps)
+    step = steps[-1] if step is None else step
+    return restore_checkpoint(mngr, s.model, s.opt_state, step)[0], step
 
 
 def read_prompt(start: str) -> str:

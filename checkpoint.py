@@ -36,10 +36,10 @@ def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_stat
 
 def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
                        step: int | None = None) -> tuple[GPT, optax.OptState, dict]:
-    """The checkpoint of `step` (default: the latest complete one; sample.py --step picks another), onto the shardings of `model` and `opt_state` (fresh from setup(),
-    on this run's mesh, which may differ from the saving run's), so the restored arrays are what the
-    compiled step expects and it does not retrace. Their buffers are freed first: two copies of the
-    state may not fit in device memory."""
+    """The checkpoint of `step` (default: the latest complete one; sample.py --step picks another), onto
+    the shardings of `model` and `opt_state` (fresh from setup(), on this run's mesh, which may differ from
+    the saving run's), so the restored arrays are what the compiled step expects and it does not retrace.
+    Their buffers are freed first: two copies of the state may not fit in device memory."""
     params, static = eqx.partition(model, eqx.is_array)  # static: eqx.nn.Shared's marker of the tied array
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type),
                           {"model": params, "opt_state": opt_state})

@@ -165,8 +165,8 @@ class Logger:
         self.tb.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
-        """Text for tensorboard's text plugin (which renders it as markdown); process 0 writes it. Every
-        process computes it: a sample of a model sharded over hosts is a computation of all of them."""
+        """Text for tensorboard's text plugin (which renders it as markdown), written by process 0 alone.
+        Every process still computes the text in log_eval: sampling a model sharded over hosts takes them all."""
         from tensorboard.plugins.text.summary_v2 import text_pb
 
         if not self.writes:

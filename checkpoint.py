@@ -4,6 +4,7 @@ A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each pro
 shards) and the host-side tally of train.py, so a resumed run continues exactly where the saved one was.
 """
 import contextlib
+import logging
 import signal
 
 import equinox as eqx
@@ -14,6 +15,10 @@ from etils import epath
 
 from configs import Config, RunError
 from model import GPT
+
+# A failed write (a full disk) fails every one of orbax's concurrent write tasks; the save reports the first
+# as one line (one_line below), and asyncio would print the others' tracebacks when they are collected.
+logging.getLogger("asyncio").setLevel(logging.CRITICAL)
 
 
 def checkpoint_manager(rundir: epath.Path, cfg: Config, read_only: bool = False) -> ocp.CheckpointManager:

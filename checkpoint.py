@@ -1,11 +1,17 @@
-"""Checkpoints and preemption: the train state saved and restored with orbax, and stopping on a signal.
+"""Checkpoints and stopping: the train state saved and restored with orbax, stopping on a signal, and
+stopping every process of a multi-host run when one of them fails.
 
 A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each process writes its own
 shards) and the host-side tally of train.py, so a resumed run continues exactly where the saved one was.
 """
 import contextlib
 import logging
+import os
 import signal
+import sys
+import threading
+import time
+import traceback
 
 import equinox as eqx
 import jax
@@ -13,7 +19,7 @@ import optax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from configs import Config, RunError
+from configs import Config, RunError, UsageError
 from model import GPT
 
 # A failed write (a full disk) fails every one of orbax's concurrent write tasks; the save reports the first
@@ -80,3 +86,62 @@ def stop_signals():
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def quiet_failed_saves() -> None:
+    """train.py reports a failed checkpoint save (a full disk) in one line. Orbax would also log it as
+    several tracebacks, and each tensorstore write still in flight prints one more when it finds orbax's
+    event loop closed; --debug shows them."""
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    default = sys.unraisablehook
+    sys.unraisablehook = lambda u: None if isinstance(u.exc_value, RuntimeError) and \
+        str(u.exc_value) == "Event loop is closed" else default(u)
+
+
+FAILED = "mugpt/failed/"  # key prefix in the coordination service: FAILED + process index -> its error
+
+
+@contextlib.contextmanager
+def fail_together():
+    """With several processes, the first to fail stops all of them and each prints why. The failing one
+    posts its error to the coordination service of jax.distributed, where a thread in every process looks
+    each second; it prints `error: process I failed: ...` and exits. Without it the others would wait in
+    their next collective until the service declared the failed process dead: 100 s without heartbeats
+    after a crash, 300 s (the shutdown barrier) after a normal exit. A process that dies without a word
+    (kill -9, a lost host) is still left to the heartbeats."""
+    if jax.process_count() == 1:
+        yield
+        return
+    client = jax._src.distributed.global_state.client  # as orbax reaches it: jax has no public accessor
+    me, done = jax.process_index(), threading.Event()
+
+    def leave(message: str):
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if me == 0:  # process 0 hosts the service: it leaves last, or the others log its loss as a crash
+            time.sleep(2.0)
+        os._exit(1)  # a normal exit would wait at jax's shutdown barrier for the processes still running
+
+    def watch():
+        try:
+            while not done.wait(1.0):
+                for key, reason in client.key_value_dir_get(FAILED):
+                    leave(f"process {key.rsplit('/', 1)[1]} failed: {reason}")
+        except Exception as e:  # the service is gone with process 0
+            leave(f"lost jax.distributed's coordination service on process 0: {str(e).splitlines()[0]}")
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    except BaseException as e:
+        done.set()
+        thread.join()  # ends within a second: it must not read this process's own error as another's
+        if not isinstance(e, (UsageError, RunError)):
+            traceback.print_exc()
+        reason = str(e) if isinstance(e, (UsageError, RunError)) else f"{type(e).__name__}: {e}".splitlines()[0]
+        client.key_value_set(f"{FAILED}{me}", reason)
+        leave(reason)
+    finally:
+        done.set()
+        thread.join()

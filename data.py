@@ -10,6 +10,7 @@ else uint32) and meta.json (vocabulary, dtype, token counts, and how to encode/d
 import argparse
 import hashlib
 import json
+import math
 import os
 import urllib.request
 from pathlib import Path
@@ -143,13 +144,29 @@ def load_split(cfg: Config, split: str) -> np.ndarray:
 
 
 def get_batch(tokens: np.ndarray, seed: int, stream: int, step: int, n_seqs: int, block: int,
-              rows: slice = slice(None)) -> tuple[np.ndarray, np.ndarray]:
+              rows: slice | np.ndarray = slice(None)) -> tuple[np.ndarray, np.ndarray]:
     """Inputs and next-token targets, (n_seqs, block) int32 each, at offsets drawn from (seed, stream,
     step) alone: a resumed run reads exactly the batches it would have read. `rows` picks this
-    process's share of the sequences (multi-host) without reading the others."""
+    process's share of the sequences (global_batch) without reading the others."""
     starts = np.random.default_rng([seed, stream, step]).integers(0, tokens.size - block - 1, size=n_seqs)[rows]
     buf = np.stack([tokens[s:s + block + 1] for s in starts]).astype(np.int32)
     return buf[:, :-1], buf[:, 1:]
+
+
+def global_batch(tokens: np.ndarray, seed: int, stream: int, step: int, sharding, shape: tuple) -> tuple:
+    """get_batch's sequences as two jax.Arrays of `shape` (..., B, T), B sharded by `sharding` and the
+    leading dims (microbatches) whole. Each process reads only the rows its devices hold, straight from
+    the memmap (midGPT copies all of train.bin into every host's RAM), and make_array_from_process_local_data
+    joins the processes' shares."""
+    import jax  # here, so that preparing data does not wait for jax to load
+
+    *lead, B, T = shape
+    held = sharding.addressable_devices_indices_map(tuple(shape)).values()
+    mine = np.unique(np.concatenate([np.arange(B)[index[-2]] for index in held]))  # this process's rows of B
+    G = math.prod(lead)
+    x, y = get_batch(tokens, seed, stream, step, G * B, T, rows=(np.arange(G)[:, None] * B + mine).ravel())
+    return tuple(jax.make_array_from_process_local_data(sharding, a.reshape(*lead, len(mine), T), tuple(shape))
+                 for a in (x, y))
 
 
 def main():

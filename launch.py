@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import difflib
 import json
-import logging
 import subprocess
 import sys
 import time
@@ -94,17 +93,8 @@ def open_rundir(args, cfg: Config) -> epath.Path:
         raise UsageError(f"cannot write the run directory {rundir}: {e.strerror or e}") from None
     except ImportError as e:  # epath reaches gs:// through fsspec, which needs gcsfs for it
         raise UsageError(f"{rundir}: {e} (pip install gcsfs)") from None
+    print(f"run directory {rundir}")
     return rundir
-
-
-def quiet_failed_saves() -> None:
-    """train.py reports a failed checkpoint save (a full disk) in one line. Orbax would also log it as
-    several tracebacks, and each tensorstore write still in flight prints one more when it finds orbax's
-    event loop closed; --debug shows them."""
-    logging.getLogger("absl").setLevel(logging.CRITICAL)
-    default = sys.unraisablehook
-    sys.unraisablehook = lambda u: None if isinstance(u.exc_value, RuntimeError) and \
-        str(u.exc_value) == "Event loop is closed" else default(u)
 
 
 def parse_args(argv: list[str]):
@@ -125,23 +115,24 @@ def main(argv: list[str] | None = None) -> None:
         cfg = apply_overrides(configs.load(args.config), overrides)
         import jax  # after parsing: a typo should not wait for jax to load
 
-        if not args.debug:
-            quiet_failed_saves()
         if args.multihost:
             if not args.rundir:
                 raise UsageError("--multihost needs --rundir: the default name's timestamp differs between hosts")
             jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
-        cfg.check(jax.device_count())
+        import checkpoint
         import data
         import train
 
-        if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
-            data.prepare_shakespeare_char(data.data_dir(cfg))
-        data.load_split(cfg, "train"), data.load_split(cfg, "val")  # bad data is reported before the run directory
-        # Process 0 checks and writes the run directory; the others only train in it.
-        rundir = open_rundir(args, cfg) if jax.process_index() == 0 else epath.Path(args.rundir)
-        print(f"run directory {rundir}")
-        train.train(cfg, rundir, debug=args.debug)
+        if not args.debug:
+            checkpoint.quiet_failed_saves()
+        with checkpoint.fail_together():  # from here on, an error in one process stops all of them
+            cfg.check(jax.device_count())
+            if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
+                data.prepare_shakespeare_char(data.data_dir(cfg))
+            data.load_split(cfg, "train"), data.load_split(cfg, "val")  # bad data is reported before the run directory
+            # Process 0 checks and writes the run directory; the others only train in it.
+            rundir = open_rundir(args, cfg) if jax.process_index() == 0 else epath.Path(args.rundir)
+            train.train(cfg, rundir, debug=args.debug)
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
 

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from etils import epath
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import data
 from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_checkpoint, stop_signals
-from configs import Config, RunError
+from configs import Config, RunError, UsageError
 from model import GPT, Policy, init_gpt, partition_specs, policy_table
 import sample
 
@@ -27,9 +28,21 @@ BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): every device holds
 
 
 def make_mesh(cfg: Config) -> jax.sharding.Mesh:
-    n = jax.device_count()
-    return jax.make_mesh((cfg.mesh_replica, n // cfg.mesh_replica), ("replica", "fsdp"),
-                         axis_types=(AxisType.Auto, AxisType.Auto))
+    """Devices (replica, fsdp), the replica axis across granules (the slices of a multi-slice TPU, else the
+    processes: hosts) and fsdp within them: FSDP's all-gathers stay on a slice's or host's fast links and
+    only gradient reductions cross the slow network. mesh_replica a multiple of the granule count splits each
+    granule into replicas, a divisor makes fsdp span several. A process's devices are one block of the mesh."""
+    devices, r = jax.devices(), cfg.mesh_replica
+    slices = len({getattr(d, "slice_index", 0) for d in devices}) > 1
+    g = len({d.slice_index if slices else d.process_index for d in devices})
+    if r % g and g % r:
+        raise UsageError(f"mesh_replica={r} is neither a multiple nor a divisor of the {g} "
+                         + ("slices" if slices else "processes"))
+    m = min(r, g)  # replicas across granules; r // m more within each, and fsdp takes the rest of a granule
+    within, across = (r // m, len(devices) // g // (r // m)), (m, g // m)
+    grid = mesh_utils.create_hybrid_device_mesh(within, across, devices, process_is_granule=not slices,
+                                                allow_split_physical_axes=True)
+    return jax.sharding.Mesh(grid, ("replica", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
 def lr_schedule(cfg: Config):
@@ -108,9 +121,7 @@ def make_train_step(optimizer, model_sharding, opt_sharding):
     return step
 
 
-@eqx.filter_jit
-def eval_loss(model: GPT, x_BT: jax.Array, y_BT: jax.Array) -> jax.Array:
-    return loss_fn(model, x_BT, y_BT)
+eval_loss = eqx.filter_jit(loss_fn)
 
 
 def flops_per_token(cfg: Config) -> float:
@@ -220,8 +231,8 @@ def evaluate(model: GPT, cfg: Config, splits: dict, sharding) -> dict[str, float
     for name, (tokens, stream) in splits.items():
         total = 0.0
         for i in range(cfg.eval_batches):
-            x, y = data.get_batch(tokens, cfg.seed, stream, i, cfg.microbatch_size, cfg.block_size)
-            total += eval_loss(model, *jax.device_put((x, y), sharding))
+            x, y = data.global_batch(tokens, cfg.seed, stream, i, sharding, (cfg.microbatch_size, cfg.block_size))
+            total += eval_loss(model, x, y)
         out[f"{name}_loss"] = float(total) / cfg.eval_batches  # one host sync per split
     return out
 
@@ -264,16 +275,16 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         start = mngr.latest_step() or 0
         model, opt_state, saved = restore_checkpoint(mngr, model, opt_state) if start else (model, opt_state, None)
     tally = Tally(cfg, saved)
-    batch_sharding = NamedSharding(mesh, BATCH_SPEC)
+    batch_sharding, batch_shape = NamedSharding(mesh, BATCH_SPEC), (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
     eval_sharding = NamedSharding(mesh, P(("replica", "fsdp"), None))
     eval_splits = {"train": (train_tokens, data.EVAL_TRAIN), "val": (val_tokens, data.EVAL_VAL)}
     schedule, peak = lr_schedule(cfg), peak_flops(jax.devices()[0])
-    tokens_per_step = cfg.batch_size * cfg.block_size
     logger = Logger(rundir, start)
-    print(f"{sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))):,} parameters, "
-          f"{jax.device_count()} {jax.devices()[0].device_kind} device(s), mesh {dict(mesh.shape)}, "
-          f"MFU {'against ' + format(peak, '.3g') + ' FLOP/s' if peak else 'unknown: no datasheet peak for this device'}"
-          + (f"; resuming from the checkpoint of step {start}" if start else ""))
+    say = tqdm.write if jax.process_index() == 0 else lambda text: None  # process 0 alone prints
+    say(f"{sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))):,} parameters, "
+        f"{jax.device_count()} {jax.devices()[0].device_kind} device(s), mesh {dict(mesh.shape)}, "
+        f"MFU {'against ' + format(peak, '.3g') + ' FLOP/s' if peak else 'unknown: no datasheet peak for this device'}"
+        + (f"; resuming from the checkpoint of step {start}" if start else ""))
 
     def log_eval(step: int, tokens_per_s: float | None) -> dict:
         record = {**evaluate(model, cfg, eval_splits, eval_sharding), "lr": float(schedule(step)),
@@ -281,7 +292,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
         # A short sample from the start of the val split, in a markdown code block to keep its line breaks.
         logger.text(step, "sample", f"```\n{sample.preview(model, cfg, val_tokens[:8].tolist())}\n```")
-        bar.write(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
+        say(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         return record
 
     def save(step: int) -> None:
@@ -292,7 +303,8 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         with one_line(f"saving a checkpoint to {mngr.directory}"):
             save_checkpoint(mngr, step, model, opt_state, tally.state)
 
-    bar = tqdm(initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True, mininterval=1.0,
+               disable=jax.process_index() != 0)
     last = log_eval(0, None) if start == 0 else None
     tokens_per_s, t0, t0_step = None, None, start
     try:
@@ -300,9 +312,8 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
             for step in range(start, cfg.max_steps):
                 if debug and step == min(start + 5, cfg.max_steps - 1):
                     jax.profiler.start_trace(str(rundir / "profile"))
-                x, y = data.get_batch(train_tokens, cfg.seed, data.TRAIN, step, cfg.batch_size, cfg.block_size)
-                x, y = (a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x, y))
-                model, opt_state, metrics = step_fn(model, opt_state, *jax.device_put((x, y), batch_sharding))
+                batch = data.global_batch(train_tokens, cfg.seed, data.TRAIN, step, batch_sharding, batch_shape)
+                model, opt_state, metrics = step_fn(model, opt_state, *batch)
                 tally.on_device.append(metrics)
                 done = step + 1
                 if debug and done == min(start + 8, cfg.max_steps):
@@ -315,7 +326,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
                 if done % cfg.log_interval == 0 or done == cfg.max_steps:
                     record = tally.record(done)  # the only host sync between evaluations and saves
                     elapsed = time.perf_counter() - t0
-                    tokens_per_s = (done - t0_step) * tokens_per_step / elapsed if done > t0_step else None
+                    tokens_per_s = (done - t0_step) * cfg.batch_size * cfg.block_size / elapsed if done > t0_step else None
                     mfu = tokens_per_s * flops_per_token(cfg) / (peak * jax.device_count()) if peak and tokens_per_s else None
                     record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s, "mfu": mfu}
                     logger.log(done, record, {"loss": "loss/batch", "lr": "lr", "grad_norm": "grad_norm",
@@ -330,11 +341,11 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
                 if not debug and (done % cfg.ckpt_interval == 0 or done == cfg.max_steps or stop):
                     save(done)
                 if stop:
-                    bar.write(f"{signal.Signals(caught[0]).name if caught else 'preemption'} at step {done}: "
-                              + ("checkpoint saved; run the same command to resume" if not debug else "stopping"))
+                    say(f"{signal.Signals(caught[0]).name if caught else 'preemption'} at step {done}: "
+                        + ("checkpoint saved; run the same command to resume" if not debug else "stopping"))
                     return None
         if start >= cfg.max_steps:
-            print(f"the checkpoint is at step {start}, max_steps={cfg.max_steps}: nothing to do")
+            say(f"the checkpoint is at step {start}, max_steps={cfg.max_steps}: nothing to do")
         return last
     finally:
         bar.close()

@@ -58,7 +58,8 @@ class Config:
     log_interval: int = 10  # steps between host syncs for the progress bar and tensorboard
     seed: int = 0
 
-    # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes
+    # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes; replicas run
+    # across hosts (or TPU slices) first, fsdp within them (train.make_mesh)
     mesh_replica: int = 1  # devices on the replica axis; the rest go to fsdp
 
     # checkpoints in RUNDIR/checkpoints (orbax); launching again with the same --rundir resumes

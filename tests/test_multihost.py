@@ -1,0 +1,143 @@
+"""Multi-host training, for real on the CPU: launch.py --multihost as two processes of 2 devices each
+(jax.distributed on 127.0.0.1, gloo collectives) against one process of 4 devices."""
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from etils import epath
+
+import configs
+import launch
+import train
+from checkpoint import checkpoint_manager, restore_checkpoint
+from conftest import ROOT
+
+STEPS = 10
+# A tiny model on shakespeare_char; every step logged, evaluations at 0 and STEPS, checkpoints at STEPS / 2 and STEPS.
+TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
+        "--config.block_size=16", "--config.batch_size=8", "--config.warmup_steps=4", "--config.min_lr=2e-3",
+        "--config.eval_batches=1", "--config.log_interval=1", f"--config.eval_interval={STEPS}",
+        f"--config.ckpt_interval={STEPS // 2}", f"--config.max_steps={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """A compilation cache shared by the subprocesses (JAX reads it in every process, writes it in process 0)."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def together(commands: list[tuple[list[str], int]], env: dict, timeout: int = 240) -> list[subprocess.CompletedProcess]:
+    """Run (argv, CPU devices) commands at once; a hang fails the test after `timeout` seconds."""
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+             for argv, devices in commands]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def multihost(rundir, *args: str, processes: int = 2) -> list[tuple[list[str], int]]:
+    """The commands of a run as `processes` processes of 4 / processes devices; args[i] may be a list per process."""
+    port = free_port()
+    return [(["launch.py", *TINY, f"--rundir={rundir}", "--multihost", f"--coordinator_address=127.0.0.1:{port}",
+              f"--num_processes={processes}", f"--process_id={i}", *args], 4 // processes) for i in range(processes)]
+
+
+def records(rundir) -> dict[int, dict]:
+    """metrics.jsonl: step -> the losses logged at that step (train steps and evaluations)."""
+    out = {}
+    for line in (rundir / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        out.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k.endswith("loss")})
+    return out
+
+
+def restored(rundir, cfg: configs.Config) -> list[np.ndarray]:
+    """The parameters and optimizer state of the latest checkpoint, restored onto this process's one device."""
+    cfg = dataclasses.replace(cfg, mesh_replica=1)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    model, opt_state, _ = restore_checkpoint(checkpoint_manager(epath.Path(rundir), cfg, read_only=True), s.model, s.opt_state)
+    return [np.asarray(x) for x in jax.tree.leaves((model, opt_state))]
+
+
+def test_mesh_and_batch_rows_per_process(env):
+    """make_mesh puts replicas across processes, fsdp within; each process reads only its rows (the probe asserts)."""
+    port = free_port()
+    results = together([([str(ROOT / "tests/mesh_probe.py"), f"127.0.0.1:{port}", str(i)], 2) for i in range(2)], env)
+    for i, r in enumerate(results):
+        assert r.returncode == 0 and f"process {i}: ok" in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("replica", [1, 2])
+def test_two_processes_train_as_one(shakespeare, tmp_path, env, replica):
+    """Two processes x 2 devices and one process x 4 devices, on a 1 x 4 (all FSDP) or a 2 x 2 (replica x
+    fsdp) mesh: the same loss at every step and evaluation, and checkpoints that restore to the same state.
+    Process 0 alone prints progress and writes the run directory."""
+    mesh = f"--config.mesh_replica={replica}"
+    one, two = tmp_path / "one", tmp_path / "two"
+    r_one, *r_two = together([(["launch.py", *TINY, f"--rundir={one}", mesh], 4), *multihost(two, mesh)], env)
+    for r in (r_one, *r_two):
+        assert r.returncode == 0, r.stderr
+    assert f"mesh {{'replica': {replica}, 'fsdp': {4 // replica}}}" in r_two[0].stdout
+    assert "step 10: train" in r_two[0].stdout
+    assert [line for line in r_two[1].stdout.splitlines() if not line.startswith("[Gloo]")] == []  # gloo's own
+    assert "train:" not in r_two[1].stderr  # no progress bar either
+    assert len(list(two.glob("events.out.tfevents.*"))) == 1 and "--process_id=0" in (two / "run.json").read_text()
+
+    a, b = records(one), records(two)
+    assert sorted(a) == sorted(b) == list(range(STEPS + 1)) and all(a[s].keys() == b[s].keys() for s in a)
+    diffs = [abs(a[s][k] - b[s][k]) for s in a for k in a[s]]
+    print(f"mesh {replica} x {4 // replica}: {len(diffs)} losses, max |1x4 - 2x2| = {max(diffs):.2e}; "
+          f"step {STEPS} loss {a[STEPS]['loss']:.6f} vs {b[STEPS]['loss']:.6f}")
+    assert max(diffs) <= 1e-6
+
+    cfg = launch.apply_overrides(configs.load("shakespeare_char_cpu"), [*TINY[1:], mesh])
+    state_one, state_two = restored(one, cfg), restored(two, cfg)
+    assert len(state_one) == len(state_two)
+    worst = max(float(np.abs(x - y).max()) for x, y in zip(state_one, state_two))
+    print(f"mesh {replica} x {4 // replica}: {len(state_one)} restored arrays, max |1x4 - 2x2| = {worst:.2e}")
+    for x, y in zip(state_one, state_two):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["data", "loop"])
+def test_a_failure_in_one_process_stops_both_with_its_reason(shakespeare, tmp_path, env, where):
+    """data: process 1's data directory lacks train.bin (its fetch failed) and it stops before training.
+    loop: process 0 cannot write metrics.jsonl at its first log, after the first collectives. Either
+    way the other process, which would wait in its next collective, stops within seconds with the reason."""
+    rundir = tmp_path / "run"
+    if where == "data":
+        bad = tmp_path / "bad" / "shakespeare_char"
+        bad.mkdir(parents=True)
+        for name in ("meta.json", "val.bin"):
+            (bad / name).write_bytes((shakespeare / name).read_bytes())
+        commands = multihost(rundir)
+        commands[1][0].append(f"--config.data_root={bad.parent}")
+        failing, reason = 1, f"{bad / 'train.bin'} is missing"
+    else:
+        (rundir / "metrics.jsonl.tmp").mkdir(parents=True)
+        commands, failing, reason = multihost(rundir), 0, "IsADirectoryError: [Errno 21] Is a directory"
+    results = together(commands, env, timeout=120)
+    for i, r in enumerate(results):
+        last = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1, r.stderr
+        assert last.startswith("error: " if i == failing else f"error: process {failing} failed: ") and reason in last, r.stderr
+    assert ("Traceback" in results[failing].stderr) == (where == "loop")  # a bad input is one line; a bug shows where
+    assert "Traceback" not in results[1 - failing].stderr

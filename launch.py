@@ -56,11 +56,18 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 
 def git_state() -> dict:
+    """The commit and whether the tree was dirty; in a copy without .git (tpu_scripts/tpu.sh copy), as the
+    copy recorded them in .mugpt_git."""
     def git(*args):
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        try:
+            out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+        except OSError:  # no git on this machine
+            return None
         return out.stdout.strip() if out.returncode == 0 else None
 
     status = git("status", "--porcelain")
+    if status is None and (ROOT / ".mugpt_git").exists():
+        return json.loads((ROOT / ".mugpt_git").read_text())
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 

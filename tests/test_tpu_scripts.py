@@ -158,10 +158,34 @@ def test_copy_sends_the_repo_without_runs_bins_git_and_bytecode(stub):
                    "--command=mkdir -p ~/mugpt && tar -xzf ~/mugpt.tar.gz -C ~/mugpt && rm ~/mugpt.tar.gz"]
     for home in workers(stub):
         got = sorted(str(p.relative_to(home / "mugpt")) for p in (home / "mugpt").rglob("*") if p.is_file())
-        assert got == ["configs/__init__.py", "data/owt/meta.json", "model.py", "requirements.txt",
+        assert got == [".mugpt_git", "configs/__init__.py", "data/owt/meta.json", "model.py", "requirements.txt",
                        "tpu_scripts/tpu.env.example", "tpu_scripts/tpu.sh"]
+        assert json.loads((home / "mugpt/.mugpt_git").read_text()) == {"commit": None, "dirty": None}  # not a checkout
         assert not (home / "mugpt.tar.gz").exists()
     assert list((stub / "tmp").iterdir()) == []  # the local tarball is cleaned up
+
+
+def test_copy_records_the_commit_for_run_json(stub, monkeypatch):
+    """The copy has no .git: .mugpt_git says which commit it is and whether the tree was dirty, and
+    launch.py's git_state reads it there (git finds no repository in the copy)."""
+    repo = stub / "repo"
+    shutil.rmtree(repo / ".git")
+    git = lambda *args: subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                                       capture_output=True, text=True, check=True).stdout.strip()
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-q", "-m", "x")
+    head = git("rev-parse", "HEAD")
+    import launch
+
+    for dirty in (False, True):
+        if dirty:
+            (repo / "model.py").write_text("edited")
+        assert tpu(stub, "copy").returncode == 0
+        for home in workers(stub):
+            assert json.loads((home / "mugpt/.mugpt_git").read_text()) == {"commit": head, "dirty": dirty}
+        monkeypatch.setattr(launch, "ROOT", workers(stub)[0] / "mugpt")
+        assert launch.git_state() == {"commit": head, "dirty": dirty}
 
 
 def test_setup_installs_jax_tpu_then_requirements(stub):

@@ -3,7 +3,7 @@
 #
 #   tpu_scripts/tpu.sh create [--spot] [--queued] [-- GCLOUD_FLAGS]   on-demand by default; --queued: a queued resource
 #   tpu_scripts/tpu.sh delete [--queued]      the TPU (--queued: the queued resource and its TPU)
-#   tpu_scripts/tpu.sh create [--spot] [--queued] [-- GCLOUD_FLAGS]   on demand by default; --queued: queued resource
+#   tpu_scripts/tpu.sh copy                   this repo to ~/mugpt on every worker, less .git, runs/, *.bin and bytecode
 #   tpu_scripts/tpu.sh setup                  pip install jax[tpu], then requirements.txt, on every worker
 #   tpu_scripts/tpu.sh launch -- ARGS         python3 launch.py ARGS --multihost on every worker, detached from ssh,
 #                                             logging to ~/mugpt-logs/train.log (pid in train.pid) on each worker
@@ -109,11 +109,19 @@ cmd_copy() {
   # `scp --recurse` cannot leave anything out, so pack a tarball without the runs, the token bins (GBs, made
   # on the workers or fetched from a bucket), git and bytecode, send it, and unpack it over ~/mugpt.
   # Unanchored patterns mean the same to GNU tar and to macOS's bsdtar; COPYFILE_DISABLE=1 keeps macOS tar
-  # from adding ._* resource-fork files.
+  # from adding ._* resource-fork files. Without .git the workers cannot tell which commit they run, so
+  # .mugpt_git carries it and whether the tree was dirty, for launch.py's run.json (null outside a checkout).
+  # It goes in last, so it replaces any .mugpt_git in the tree when the workers unpack.
+  local commit=null dirty=null head
   COPY_TMP=$(mktemp -d "${TMPDIR:-/tmp}/mugpt-copy.XXXXXX")
   trap 'rm -rf "$COPY_TMP"' EXIT
+  if head=$(git -C "$ROOT" rev-parse --verify -q HEAD 2>/dev/null); then
+    commit="\"$head\""
+    if [ -n "$(git -C "$ROOT" status --porcelain)" ]; then dirty=true; else dirty=false; fi
+  fi
+  printf '{"commit": %s, "dirty": %s}\n' "$commit" "$dirty" > "$COPY_TMP/.mugpt_git"
   COPYFILE_DISABLE=1 tar -czf "$COPY_TMP/mugpt.tar.gz" -C "$ROOT" \
-    --exclude=.git --exclude=runs --exclude='*.bin' --exclude=__pycache__ .
+    --exclude=.git --exclude=runs --exclude='*.bin' --exclude=__pycache__ . -C "$COPY_TMP" .mugpt_git
   gcloud_run compute tpus tpu-vm scp "$COPY_TMP/mugpt.tar.gz" "$TPU_NAME:mugpt.tar.gz" --zone="$ZONE" \
     --project="$PROJECT" --worker=all
   remote 'mkdir -p ~/mugpt && tar -xzf ~/mugpt.tar.gz -C ~/mugpt && rm ~/mugpt.tar.gz'

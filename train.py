@@ -28,10 +28,9 @@ BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): every device holds
 
 
 def make_mesh(cfg: Config) -> jax.sharding.Mesh:
-    """Devices (replica, fsdp), the replica axis across granules (the slices of a multi-slice TPU, else the
-    processes: hosts) and fsdp within them: FSDP's all-gathers stay on a slice's or host's fast links and
-    only gradient reductions cross the slow network. mesh_replica a multiple of the granule count splits each
-    granule into replicas, a divisor makes fsdp span several. A process's devices are one block of the mesh."""
+    """(replica, fsdp): replicas across granules (the slices of a multi-slice TPU, else the processes) and fsdp
+    within, so FSDP's all-gathers stay on fast links and only gradient reductions cross the slow network. A
+    mesh_replica that is a multiple of the granules splits each into replicas, a divisor makes fsdp span several."""
     devices, r = jax.devices(), cfg.mesh_replica
     slices = len({getattr(d, "slice_index", 0) for d in devices}) > 1
     g = len({d.slice_index if slices else d.process_index for d in devices})
@@ -151,8 +150,8 @@ class Logger:
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self.writes = jax.process_index() == 0
-        if not self.writes:
+        if jax.process_index() != 0:  # process 0 alone writes; on the others every method does nothing
+            self.log = self.text = self.close = lambda *args: None
             return
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.tb = EventFileWriter(str(rundir))
@@ -165,8 +164,6 @@ class Logger:
 
     def log(self, step: int, record: dict[str, float], tags: dict[str, str]) -> None:
         """Write record as one JSON line, and each value named in tags (record key -> tensorboard tag)."""
-        if not self.writes:
-            return
         self.lines.append(json.dumps({"step": step, **record}) + "\n")
         tmp = self.path.with_name(self.path.name + ".tmp")  # whole file, renamed into place: a kill never
         tmp.write_text("".join(self.lines))  # leaves half a line, and GCS objects cannot be appended to
@@ -180,14 +177,11 @@ class Logger:
         Every process still computes the text in log_eval: sampling a model sharded over hosts takes them all."""
         from tensorboard.plugins.text.summary_v2 import text_pb
 
-        if not self.writes:
-            return
         self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=text_pb(tag, text)))
         self.tb.flush()
 
     def close(self) -> None:
-        if self.writes:
-            self.tb.close()
+        self.tb.close()
 
 
 class Tally:

@@ -98,7 +98,8 @@ def test_two_processes_train_as_one(shakespeare, tmp_path, env, replica):
         assert r.returncode == 0, r.stderr
     assert f"mesh {{'replica': {replica}, 'fsdp': {4 // replica}}}" in r_two[0].stdout
     assert "step 10: train" in r_two[0].stdout
-    assert [line for line in r_two[1].stdout.splitlines() if not line.startswith("[Gloo]")] == []  # gloo's own
+    # process 1 prints none of it (gloo prints its connections in both, from several threads at once)
+    assert not any(text in r_two[1].stdout for text in ("run directory", "parameters", "step"))
     assert "train:" not in r_two[1].stderr  # no progress bar either
     assert len(list(two.glob("events.out.tfevents.*"))) == 1 and "--process_id=0" in (two / "run.json").read_text()
 

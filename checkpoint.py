@@ -22,10 +22,6 @@ from etils import epath
 from configs import Config, RunError, UsageError
 from model import GPT
 
-# A failed write (a full disk) fails every one of orbax's concurrent write tasks; the save reports the first
-# as one line (one_line below), and asyncio would print the others' tracebacks when they are collected.
-logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-
 
 def checkpoint_manager(rundir: epath.Path, cfg: Config, read_only: bool = False) -> ocp.CheckpointManager:
     """RUNDIR/checkpoints/STEP, by orbax: asynchronous (training goes on while it writes), each process
@@ -90,9 +86,10 @@ def stop_signals():
 
 def quiet_failed_saves() -> None:
     """train.py reports a failed checkpoint save (a full disk) in one line. Orbax would also log it as
-    several tracebacks, and each tensorstore write still in flight prints one more when it finds orbax's
-    event loop closed; --debug shows them."""
-    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    several tracebacks, asyncio one more for each of its concurrent write tasks that failed alike, and each
+    tensorstore write still in flight one when it finds orbax's event loop closed; --debug shows them."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     default = sys.unraisablehook
     sys.unraisablehook = lambda u: None if isinstance(u.exc_value, RuntimeError) and \
         str(u.exc_value) == "Event loop is closed" else default(u)

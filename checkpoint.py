@@ -5,6 +5,7 @@ A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each pro
 shards) and the host-side tally of train.py, so a resumed run continues exactly where the saved one was.
 """
 import contextlib
+import copy
 import logging
 import os
 import signal
@@ -36,9 +37,10 @@ def checkpoint_manager(rundir: epath.Path, cfg: Config, read_only: bool = False)
 def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_state, tally: dict) -> None:
     """Returns once the arrays are copied to host memory (the next step may donate them); a background
     thread writes them. An error of the previous save is raised here. train.py decides when to save, so
-    orbax's own save policy is overridden (force)."""
+    orbax's own save policy is overridden (force). The tally is copied: the thread may write it after the
+    loop has appended the next steps' metrics to it."""
     state = ocp.args.StandardSave({"model": eqx.filter(model, eqx.is_array), "opt_state": opt_state})
-    mngr.save(step, args=ocp.args.Composite(state=state, tally=ocp.args.JsonSave(tally)), force=True)
+    mngr.save(step, args=ocp.args.Composite(state=state, tally=ocp.args.JsonSave(copy.deepcopy(tally))), force=True)
 
 
 def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,

@@ -5,7 +5,7 @@ Modules see one sequence (T tokens); train.py adds the batch with jax.vmap.
 """
 import dataclasses
 import math
-from typing import Literal
+from typing import Callable, Literal
 
 import equinox as eqx
 import jax
@@ -14,6 +14,18 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from configs import Config
+
+
+# Activation taps for mup.py's coordinate check: tap(name, x) returns x, and while mup.py records it
+# also hands x to the functions in TAPS (at trace time: mup.py's recorder sends mean |x| to the host
+# with an ordered jax.debug.callback). With TAPS empty, the forward is unchanged.
+TAPS: list[Callable[[str, Array], None]] = []
+
+
+def tap(name: str, x: Array) -> Array:
+    for record in TAPS:
+        record(name, x)
+    return x
 
 
 @jax.custom_batching.custom_vmap
@@ -64,7 +76,7 @@ class Attention(eqx.Module):
     out: Float[Array, "H K D"]
     q_norm: Float[Array, "K"]
     k_norm: Float[Array, "K"]
-    scale: float = eqx.field(static=True)  # attention logit multiplier
+    scale: float = eqx.field(static=True)  # attention logit multiplier: cfg.attn_scale
     rope_base: float = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
     impl: str | None = eqx.field(static=True)  # jax.nn.dot_product_attention implementation
@@ -73,13 +85,15 @@ class Attention(eqx.Module):
         """Queries, keys and values of one sequence; sample.py calls this to fill its KV cache."""
         D, _, H, K = self.qkv.shape
         qkv_T3HK = linear(x_TD, self.qkv.astype(self.dtype).reshape(D, 3 * H * K)).reshape(-1, 3, H, K)
-        q_THK, k_THK, v_THK = qkv_T3HK[:, 0], qkv_T3HK[:, 1], qkv_T3HK[:, 2]
+        q_THK, k_THK, v_THK = tap("q", qkv_T3HK[:, 0]), tap("k", qkv_T3HK[:, 1]), qkv_T3HK[:, 2]
         q_THK = rope(layer_norm(q_THK, self.q_norm), pos_T, self.rope_base).astype(self.dtype)
         k_THK = rope(layer_norm(k_THK, self.k_norm), pos_T, self.rope_base).astype(self.dtype)
         return q_THK, k_THK, v_THK
 
     def __call__(self, x_TD: Array, pos_T: Array) -> Array:
         q_THK, k_THK, v_THK = self.project(x_TD, pos_T)
+        if TAPS:  # the logits themselves stay inside dot_product_attention; the causal ones, for mup.py
+            tap("attn_logits", self.scale * jnp.einsum("THK,SHK->HTS", q_THK, k_THK)[:, *jnp.tril_indices(len(pos_T))])
         # Softmax in float32 inside; cuDNN flash attention on GPU when impl="cudnn".
         o_THK = jax.nn.dot_product_attention(q_THK, k_THK, v_THK, scale=self.scale, is_causal=True,
                                              implementation=self.impl)
@@ -88,7 +102,7 @@ class Attention(eqx.Module):
     def output(self, o_THK: Array) -> Array:
         """The heads' outputs mixed back to width D; sample.py calls this after attending to its cache."""
         T, H, K = o_THK.shape
-        return linear(o_THK.reshape(T, H * K), self.out.astype(self.dtype).reshape(H * K, -1))
+        return tap("attn_out", linear(o_THK.reshape(T, H * K), self.out.astype(self.dtype).reshape(H * K, -1)))
 
 
 class MLP(eqx.Module):
@@ -97,8 +111,8 @@ class MLP(eqx.Module):
     dtype: str = eqx.field(static=True)
 
     def __call__(self, x_TD: Array) -> Array:
-        h_TF = jax.nn.gelu(linear(x_TD, self.up.astype(self.dtype)))
-        return linear(h_TF, self.down.astype(self.dtype))
+        h_TF = tap("mlp_hidden", jax.nn.gelu(linear(x_TD, self.up.astype(self.dtype))))
+        return tap("mlp_out", linear(h_TF, self.down.astype(self.dtype)))
 
 
 class Block(eqx.Module):
@@ -106,14 +120,15 @@ class Block(eqx.Module):
     attn: Attention
     mlp_norm: Float[Array, "D"] | None
     mlp: MLP
+    branch_mult: float = eqx.field(static=True)  # CompleteP: depth_base / L (Dey et al. 2025, alpha = 1)
 
     def __call__(self, x_TD: Array, pos_T: Array) -> Array:
         return self.after_attention(x_TD, self.attn(rms_norm(x_TD, self.attn_norm), pos_T))
 
     def after_attention(self, x_TD: Array, attn_TD: Array) -> Array:
         """The rest of the block once the attention output is known (sample.py's comes from its KV cache)."""
-        x_TD = x_TD + attn_TD
-        return x_TD + self.mlp(rms_norm(x_TD, self.mlp_norm))
+        x_TD = x_TD + self.branch_mult * attn_TD
+        return tap("resid", x_TD + self.branch_mult * self.mlp(rms_norm(x_TD, self.mlp_norm)))
 
 
 class Embeddings(eqx.Module):
@@ -133,6 +148,8 @@ class GPT(eqx.Module):
     emb: Embeddings | eqx.nn.Shared  # Shared when cfg.tie_embeddings: one array, two uses
     blocks: Block  # stacked by eqx.filter_vmap: every array has a leading L axis
     final_norm: Float[Array, "D"] | None
+    alpha_in: float = eqx.field(static=True)  # embedding output multiplier
+    readout_mult: float = eqx.field(static=True)  # logit multiplier: alpha_out / m under muP (TP5 Table 3)
     dtype: str = eqx.field(static=True)
     remat: Literal["none", "full", "save_dots"] = eqx.field(static=True)
     unroll: int = eqx.field(static=True)
@@ -145,12 +162,13 @@ class GPT(eqx.Module):
         return self.logits(self.run_blocks(self.embed(tokens_T), jnp.arange(tokens_T.shape[0])))
 
     def embed(self, tokens_T: Int[Array, "T"]) -> Array:
-        return self.embeddings().embed[tokens_T].astype(self.dtype)
+        return tap("embed", self.alpha_in * self.embeddings().embed[tokens_T].astype(self.dtype))
 
     def logits(self, x_TD: Array) -> Float[Array, "T V"]:
         """The final norm and the readout, in float32; sample.py calls embed, the blocks and this apart."""
         h_TD = rms_norm(x_TD, self.final_norm)
-        return linear(h_TD, self.embeddings().unembed.astype(self.dtype).T).astype(jnp.float32)
+        logits_TV = linear(h_TD, self.embeddings().unembed.astype(self.dtype).T).astype(jnp.float32)
+        return tap("logits", self.readout_mult * logits_TV)
 
     def run_blocks(self, x_TD: Array, pos_T: Array) -> Array:
         """All L blocks by lax.scan over the stacked parameters: compile time does not grow with depth."""
@@ -165,21 +183,24 @@ class GPT(eqx.Module):
 
 
 def init_gpt(cfg: Config, key: Array) -> GPT:
-    """A GPT whose parameters are drawn as the policy table says: init_mean + init_std * N(0, 1)."""
+    """A GPT whose parameters are drawn as the policy table says: init_mean + init_std * N(0, 1), and
+    whose forward multipliers (muP's and CompleteP's) are static fields set from the config."""
     D, H, K, F, V = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.mlp_width, cfg.model_vocab
     gain = lambda n: jnp.ones(n) if cfg.norm_gain else None
     dt, impl = cfg.compute_dtype, attention_impl(cfg)
 
     def block(_):  # shapes only: the values come from the table below
         attn = Attention(jnp.zeros((D, 3, H, K)), jnp.zeros((H, K, D)), jnp.ones(K), jnp.ones(K),
-                         scale=1 / math.sqrt(K), rope_base=cfg.rope_base, dtype=dt, impl=impl)
-        return Block(gain(D), attn, gain(D), MLP(jnp.zeros((D, F)), jnp.zeros((F, D)), dtype=dt))
+                         scale=cfg.attn_scale, rope_base=cfg.rope_base, dtype=dt, impl=impl)
+        mlp = MLP(jnp.zeros((D, F)), jnp.zeros((F, D)), dtype=dt)
+        return Block(gain(D), attn, gain(D), mlp, branch_mult=1 / cfg.depth_mult)
 
     emb = Embeddings(jnp.zeros((V, D)), jnp.zeros((V, D)))
     if cfg.tie_embeddings:
         emb = eqx.nn.Shared(emb, where=lambda e: e.unembed, get=lambda e: e.embed)
     blocks = eqx.filter_vmap(block)(jnp.arange(cfg.n_layer))
-    model = GPT(emb, blocks, gain(D), dtype=dt, remat=cfg.remat, unroll=cfg.scan_unroll)
+    model = GPT(emb, blocks, gain(D), alpha_in=cfg.alpha_in, readout_mult=cfg.alpha_out / cfg.width_mult, dtype=dt,
+                remat=cfg.remat, unroll=cfg.scan_unroll)
     params, static = eqx.partition(model, eqx.is_array)
     leaves, treedef = jax.tree.flatten(params)
     rows = jax.tree.leaves(policy_table(model, cfg), is_leaf=lambda x: isinstance(x, Policy))
@@ -203,26 +224,46 @@ class Policy:
     decay: bool  # independent weight decay applies
     spec: tuple  # PartitionSpec of one layer's array; stacked block arrays get None for L in front
     init_mean: float = 0.0
+    eps_mult: float = 1.0  # multiplies Adam's epsilon
 
 
 def policy_rows(cfg: Config) -> dict[str, Policy]:
-    """The per-parameter table: standard parametrization. Sharding: FSDP on the D axis of every
-    matrix (1-D gains are tiny and stay replicated)."""
+    """The per-parameter table. m = cfg.width_mult = d_model / d_base and d = cfg.depth_mult =
+    n_layer / depth_base under muP, both 1 under SP: every multiplier is then 1, so at the base shape
+    muP is SP. Sources: [TP5] Tensor Programs V (Yang et al. 2022) Table 3, muP for Adam; [mup]
+    microsoft/mup (MuAdam divides matrix-like LRs by width_mult, MuReadout the logits); [nGm]
+    EleutherAI nanoGPT-mup, the same rules in a GPT, and its completep branch; [muT] mu_transformer
+    (Lingle 2024); [CP] CompleteP (Dey et al. 2025) Table 1 with alpha = 1: no depth factor on any LR.
+    Weight decay is independent of lr and of m (train.scale_by_policy), so muP needs no decay rule.
+    Adam's epsilon must stay below the gradients it is added to (Everett et al. 2024): all gradients
+    carry the readout's 1/m and those inside blocks also the branch scale 1/d, so eps is scaled down
+    by the same ([CP], [nGm] completep: adam_eps / (m_N * m_L)). Forward multipliers are static fields
+    of the model (init_gpt). Sharding: FSDP on the D axis of every matrix (1-D gains stay replicated)."""
     D, F = cfg.d_model, cfg.mlp_width
-    gain = Policy(0.0, 1.0, False, (None,), init_mean=1.0)
+    m, d = cfg.width_mult, cfg.depth_mult
+    gain = dict(init_mean=1.0, eps_mult=1 / (m * d))  # vector-like inside blocks: LR lr, no decay [TP5, CP]
     return {
-        # name              init std         lr   decay  spec (one layer)
-        "emb.embed": Policy(1.0, 1.0, True, (None, "fsdp")),  # unit-scale token vectors
-        "emb.unembed": Policy(0.0, 1.0, True, (None, "fsdp")),  # zero readout: loss starts at ln V
-        "blocks.attn.qkv": Policy(1 / math.sqrt(D), 1.0, True, ("fsdp", None, None, None)),
-        "blocks.attn.out": Policy(1 / math.sqrt(D), 1.0, True, (None, None, "fsdp")),
-        "blocks.mlp.up": Policy(1 / math.sqrt(D), 1.0, True, ("fsdp", None)),
-        "blocks.mlp.down": Policy(1 / math.sqrt(F), 1.0, True, (None, "fsdp")),
-        "blocks.attn.q_norm": gain,
-        "blocks.attn.k_norm": gain,
-        "blocks.attn_norm": gain,
-        "blocks.mlp_norm": gain,
-        "final_norm": gain,
+        # name: Policy(init std, LR multiplier, decayed, spec of one layer, Adam eps multiplier)
+        # embedding: constant init std and LR at every width; forward x alpha_in [TP5 input weights, mup, nGm]
+        "emb.embed": Policy(1.0, 1.0, True, (None, "fsdp"), eps_mult=1 / m),
+        # readout: zero init (loss starts at ln V) [TP5], forward x alpha_out / m [mup MuReadout, nGm], LR lr
+        # (vector-like: one dim grows). Tied, the shared array keeps emb.embed's row: the readout's other form,
+        # constant init, with the same alpha_out / m.
+        "emb.unembed": Policy(0.0, 1.0, True, (None, "fsdp"), eps_mult=1 / m),
+        # hidden matrices: init std 1/sqrt(fan_in), LR lr / m [TP5 hidden weights, mup MuAdam, nGm, muT]
+        "blocks.attn.qkv": Policy(1 / math.sqrt(D), 1 / m, True, ("fsdp", None, None, None), eps_mult=1 / (m * d)),
+        "blocks.attn.out": Policy(1 / math.sqrt(D), 1 / m, True, (None, None, "fsdp"), eps_mult=1 / (m * d)),
+        "blocks.mlp.up": Policy(1 / math.sqrt(D), 1 / m, True, ("fsdp", None), eps_mult=1 / (m * d)),
+        "blocks.mlp.down": Policy(1 / math.sqrt(F), 1 / m, True, (None, "fsdp"), eps_mult=1 / (m * d)),
+        # QK-LayerNorm gains: K entries at every width, LR lr, no decay [muT; Wortsman et al. 2023]
+        "blocks.attn.q_norm": Policy(0.0, 1.0, False, (None,), **gain),
+        "blocks.attn.k_norm": Policy(0.0, 1.0, False, (None,), **gain),
+        # RMSNorm gains, only with cfg.norm_gain: vector-like, LR lr [TP5]; off by default, they break
+        # transfer [muT: Lingle 2024]
+        "blocks.attn_norm": Policy(0.0, 1.0, False, (None,), **gain),
+        "blocks.mlp_norm": Policy(0.0, 1.0, False, (None,), **gain),
+        # the final RMSNorm's gain: outside the blocks, so no branch scale in its gradient
+        "final_norm": Policy(0.0, 1.0, False, (None,), init_mean=1.0, eps_mult=1 / m),
     }
 
 

@@ -60,8 +60,9 @@ def lr_schedule(cfg: Config):
 
 def scale_by_policy(cfg: Config, table) -> optax.GradientTransformation:
     """The last link of the optimizer: -lr_t * lr_mult * update, and for decayed parameters the
-    independent decay -weight_decay * (lr_t / learning_rate) * p. optax.adamw would multiply the
-    decay by each parameter's LR multiplier too (Wortsman et al. 2023 on independent decay)."""
+    independent decay -weight_decay * (lr_t / learning_rate) * p, whatever lr and lr_mult (muP's 1/m
+    included). optax.adamw would multiply the decay by each parameter's LR multiplier too (Wortsman
+    et al. 2023 on independent decay)."""
     schedule = lr_schedule(cfg)
 
     def update(updates, state, params):
@@ -77,8 +78,16 @@ def scale_by_policy(cfg: Config, table) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda _: optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32)), update)
 
 
+def scale_for_eps(table) -> optax.GradientTransformation:
+    """Adam with each parameter's epsilon adam_eps * eps_mult, from optax's one-epsilon Adam: Adam's
+    update m / (sqrt(v) + eps) is unchanged when a gradient is scaled by c, except that eps acts as
+    eps / c; so each gradient is divided by its eps_mult before Adam (CompleteP's per-parameter eps)."""
+    return optax.stateless(lambda grads, _: jax.tree.map(lambda g, policy: g / policy.eps_mult, grads, table))
+
+
 def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                       scale_for_eps(table),
                        optax.scale_by_adam(cfg.beta1, cfg.beta2, cfg.adam_eps),
                        scale_by_policy(cfg, table))
 

@@ -37,6 +37,19 @@ class Config:
     remat: Literal["none", "full", "save_dots"] = "none"  # what the backward pass recomputes
     scan_unroll: int = 1  # layers per scan iteration; >1 trades compile time for speed
 
+    # parametrization: "mup" is the Maximal Update Parametrization (Tensor Programs V, Yang et al. 2022,
+    # arXiv 2203.03466) with CompleteP's depth rules (Dey et al. 2025, arXiv 2505.01618): LRs tuned at
+    # d_model = d_base and n_layer = depth_base transfer to other widths and depths; there muP equals SP.
+    # The rules are rows of model.policy_rows and static fields set in model.init_gpt.
+    param: Literal["sp", "mup"] = "sp"
+    d_base: int = 768  # the width at which muP equals SP (width_mult = d_model / d_base)
+    depth_base: int = 12  # the depth at which CompleteP's residual branch scale depth_base / n_layer is 1
+    alpha_in: float = 1.0  # embedding output multiplier (tunable at the base shape, transfers)
+    alpha_out: float = 1.0  # readout multiplier; muP divides it by width_mult
+    # muP's attention logits are attn_tau / head_dim (TP5: q and k become correlated in training);
+    # 8 = sqrt(64) equals SP's 1 / sqrt(head_dim) for 64-dim heads. head_dim stays fixed as width grows.
+    attn_tau: float = 8.0
+
     # optimisation: AdamW, linear warmup then cosine decay to min_lr at max_steps
     batch_size: int = 512  # sequences per step, global (over all devices and microbatches)
     grad_accum: int = 1  # microbatches per step, accumulated in one jitted lax.scan
@@ -82,6 +95,21 @@ class Config:
         return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
 
     @property
+    def width_mult(self) -> float:
+        """m = d_model / d_base under muP, 1 under SP: hidden-matrix LRs are lr / m, the readout alpha_out / m."""
+        return self.d_model / self.d_base if self.param == "mup" else 1.0
+
+    @property
+    def depth_mult(self) -> float:
+        """n_layer / depth_base under muP (CompleteP), 1 under SP: residual branches are scaled by its inverse."""
+        return self.n_layer / self.depth_base if self.param == "mup" else 1.0
+
+    @property
+    def attn_scale(self) -> float:
+        """The attention logit multiplier: attn_tau / head_dim under muP, 1 / sqrt(head_dim) under SP."""
+        return self.attn_tau / self.head_dim if self.param == "mup" else 1 / math.sqrt(self.head_dim)
+
+    @property
     def microbatch_size(self) -> int:
         return self.batch_size // self.grad_accum
 
@@ -101,7 +129,7 @@ class Config:
                 raise UsageError(message)
         for name in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "grad_accum", "max_steps",
                      "eval_interval", "eval_batches", "log_interval", "vocab_size", "vocab_multiple", "scan_unroll",
-                     "ckpt_interval", "ckpt_keep", "max_nonfinite"):
+                     "ckpt_interval", "ckpt_keep", "max_nonfinite", "d_base", "depth_base"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
 

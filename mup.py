@@ -1,0 +1,251 @@
+"""Checks that muP (Tensor Programs V, Yang et al. 2022, arXiv 2203.03466) does what it promises, as
+numbers and plots. Both train the real model with the real train step (train.setup) at the config's
+hyperparameters; a width w is d_model = w with n_head = w / head_dim (the head dim stays fixed).
+
+    python mup.py coord --config=NAME --widths=64,128,256,512 --steps=5 [--param=sp] [--depths=2,4,8] --out=DIR
+
+trains each width (or, with --depths, each depth at the config's width) --steps steps on one fixed
+batch at a constant LR, from 3 seeds, and records the mean |x| of every activation model.tap names
+before each step and after the last. Under muP each stays the same size as the width grows: DIR/
+coord_check.json maps each activation to its fitted slopes of log2 mean|x| against log2 width, one
+per step (index 0 = at init), and DIR/coord_check.png shows them (the "coordinate check" of TP5 and
+microsoft/mup).
+
+    python mup.py transfer --config=NAME --widths=64,128,256 --lrs=1e-3,2e-3,4e-3 --steps=200 [--param=sp] --out=DIR
+
+trains every (width, LR) pair on the same batches with the config's schedule compressed to --steps
+steps, and writes the final validation loss: DIR/lr_transfer.json (the grid and the best LR per
+width) and DIR/lr_transfer.png. Under muP the best LR stays put as the width grows; under SP it moves.
+"""
+import argparse
+import dataclasses
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import configs
+import data
+import model as M
+import train
+from configs import Config, UsageError
+
+
+def resize(cfg: Config, axis: str, size: int) -> Config:
+    """cfg at another width (heads grow, the head dim stays) or depth."""
+    if axis == "depth":
+        return dataclasses.replace(cfg, n_layer=size)
+    if size % cfg.head_dim:
+        raise UsageError(f"width {size} is not a multiple of the head dim {cfg.head_dim} of {cfg.d_model}/{cfg.n_head}")
+    return dataclasses.replace(cfg, d_model=size, n_head=size // cfg.head_dim)
+
+
+_SEEN: list[tuple[str, float]] = []  # (name, mean |x|) of each tap of the forwards run by activation_sizes
+
+
+def _record(name: str, x: jax.Array) -> None:
+    """model.TAPS entry while activation_sizes runs: mean |x| to the host by an ordered callback from
+    inside the jitted forward, so values arrive in the order the taps ran (inside lax.scan, the l-th
+    "resid" is layer l's)."""
+    jax.debug.callback(lambda v: _SEEN.append((name, float(v))), jnp.mean(jnp.abs(x)), ordered=True)
+
+
+@eqx.filter_jit
+def _tapped_forward(gpt: M.GPT, tokens_T: jax.Array) -> jax.Array:
+    return gpt(tokens_T)  # traced (once per shape) only with _record in model.TAPS
+
+
+def activation_sizes(gpt: M.GPT, x_BT: np.ndarray) -> dict[str, float]:
+    """Mean |x| of each tapped activation over the sequences x_BT: the residual stream per layer
+    ("resid.0", ...), the others averaged over layers."""
+    _SEEN.clear()
+    M.TAPS.append(_record)
+    try:
+        for tokens_T in x_BT:
+            _tapped_forward(gpt, jnp.asarray(tokens_T))
+        jax.effects_barrier()
+    finally:
+        M.TAPS.remove(_record)
+    seen = defaultdict(list)
+    for name, value in _SEEN:
+        seen[name].append(value)
+    out = {}
+    for name, values in seen.items():
+        per_layer = np.reshape(values, (len(x_BT), -1)).mean(axis=0)  # one value per call of the tap
+        out |= {f"resid.{i}": v for i, v in enumerate(per_layer)} if name == "resid" else {name: per_layer.mean()}
+    return out
+
+
+def coord_check(cfg: Config, axis: str, sizes: list[int], steps: int, seeds: int = 3) -> dict[str, np.ndarray]:
+    """Activation name -> mean |x| averaged over seeds, shape (len(sizes), steps + 1): column t after t
+    steps on one fixed batch at the config's learning rate, constant (no warmup: step 1 moves at full LR)."""
+    x_BT, y_BT = data.get_batch(data.load_split(cfg, "train"), cfg.seed, data.TRAIN, 0, cfg.batch_size, cfg.block_size)
+    batch = [a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x_BT, y_BT)]
+    table = defaultdict(lambda: np.zeros((len(sizes), steps + 1)))
+    for i, size in enumerate(sizes):
+        c = dataclasses.replace(resize(cfg, axis, size), warmup_steps=0, min_lr=cfg.learning_rate, max_steps=steps)
+        s = train.setup(c, train.make_mesh(c))  # its step is compiled once per shape, used for every seed
+        for seed in range(seeds):
+            gpt = eqx.filter_shard(M.init_gpt(c, jax.random.key(seed)), s.model_sharding)
+            opt_state = train.make_optimizer(c, M.policy_table(gpt, c)).init(eqx.filter(gpt, eqx.is_array))
+            opt_state = eqx.filter_shard(opt_state, s.opt_sharding)
+            for t in range(steps + 1):
+                sizes_t = activation_sizes(gpt, x_BT)
+                if axis == "depth":  # the layers differ between depths: compare the last residual stream
+                    last = sizes_t[f"resid.{c.n_layer - 1}"]
+                    sizes_t = {k: v for k, v in sizes_t.items() if not k.startswith("resid.")} | {"resid.last": last}
+                for name, v in sizes_t.items():
+                    table[name][i, t] += v / seeds
+                if t < steps:
+                    gpt, opt_state, _ = s.step(gpt, opt_state, *batch)
+    return dict(table)
+
+
+def slopes(sizes: list[int], table: dict[str, np.ndarray]) -> dict[str, list[float | None]]:
+    """Per activation and step, the least-squares slope of log2 mean|x| against log2 size; None where
+    an activation is exactly 0 at some size (the logits at init: the readout starts at zero)."""
+    fit = lambda y: float(np.polyfit(np.log2(sizes), np.log2(y), 1)[0]) if np.all(y > 0) else None
+    return {name: [fit(col) for col in values.T] for name, values in table.items()}
+
+
+def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
+    """Validation loss after `steps` steps at each learning rate, on the same batches, with the config's
+    schedule compressed to `steps` steps (min_lr / learning_rate kept). One compiled program vmapped over
+    the LRs: the LR reaches train.setup through the config, as a traced value."""
+    train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
+    G, B, T = cfg.grad_accum, cfg.microbatch_size, cfg.block_size
+    xy = [data.get_batch(train_tokens, cfg.seed, data.TRAIN, s, cfg.batch_size, T) for s in range(steps)]
+    x_SGBT, y_SGBT = (np.stack([b[i].reshape(G, B, T) for b in xy]) for i in (0, 1))
+    val = [data.get_batch(val_tokens, cfg.seed, data.EVAL_VAL, i, B, T) for i in range(cfg.eval_batches)]
+    x_EBT, y_EBT = (np.stack([b[i] for b in val]) for i in (0, 1))
+    cfg = dataclasses.replace(cfg, max_steps=steps, warmup_steps=round(cfg.warmup_steps * steps / cfg.max_steps))
+    mesh = train.make_mesh(cfg)
+    gpt0 = train.setup(cfg, mesh).model  # the same initial model for every LR, drawn outside the compiled sweep
+
+    def final_loss(lr, gpt):
+        s = train.setup(dataclasses.replace(cfg, learning_rate=lr, min_lr=lr * cfg.min_lr / cfg.learning_rate), mesh)
+
+        def one_step(carry, batch):
+            gpt, opt_state, _ = s.step(*carry, *batch)
+            return (gpt, opt_state), None
+
+        (gpt, _), _ = jax.lax.scan(one_step, (gpt, s.opt_state), (x_SGBT, y_SGBT))
+        return jax.vmap(train.loss_fn, in_axes=(None, 0, 0))(gpt, x_EBT, y_EBT).mean()
+
+    return np.asarray(eqx.filter_jit(jax.vmap(final_loss, in_axes=(0, None)))(jnp.asarray(lrs, jnp.float32), gpt0))
+
+
+def plot_coord(path: Path, axis: str, sizes: list[int], table: dict[str, np.ndarray], title: str) -> None:
+    """One panel per activation: mean |x| against size, log-log, a line per step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = 4
+    rows = -(-len(table) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
+    colors = plt.cm.viridis(np.linspace(0, 0.9, next(iter(table.values())).shape[1]))
+    for ax, (name, values) in zip(axes.flat, table.items()):
+        for t, color in enumerate(colors):
+            if np.all(values[:, t] > 0):
+                ax.plot(sizes, values[:, t], "o-", color=color, ms=3, label=f"step {t}")
+        # y spans at least the sizes' ratio x 4 around the data, so a slope's angle reads the same everywhere
+        positive = values[values > 0]
+        mid, span = np.sqrt(positive.min() * positive.max()), max(positive.max() / positive.min(), 4 * sizes[-1] / sizes[0])
+        ax.set(xscale="log", yscale="log", title=name, ylim=(mid / np.sqrt(span), mid * np.sqrt(span)))
+        ax.set_xticks(sizes, [str(s) for s in sizes], fontsize=7)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.minorticks_off()
+    for ax in axes.flat[len(table):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    for ax in axes[-1]:
+        ax.set_xlabel(axis)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("mean |x|")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_transfer(path: Path, widths: list[int], lrs: list[float], loss: np.ndarray, title: str) -> None:
+    """Final loss against log2 LR, a curve per width, each optimum marked."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(widths)))
+    log_lr = np.log2(lrs)
+    for w, row, color in zip(widths, loss, colors):
+        ax.plot(log_lr, row, "o-", color=color, ms=3, label=f"width {w}")
+        if np.isfinite(row).any():
+            best = np.nanargmin(row)
+            ax.plot(log_lr[best], row[best], "*", color=color, ms=14, markeredgecolor="k")
+    finite = loss[np.isfinite(loss)]  # diverged runs (nan) are left out; the y range is the optimum's region
+    ax.set_ylim(finite.min() - 0.05, min(finite.max(), finite.min() + 0.6) + 0.05)
+    ax.set_xticks(log_lr, [f"{lr:.2g}" for lr in lrs], fontsize=8)
+    ax.set(xlabel="learning rate (log2 scale)", ylabel="final validation loss", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("command", choices=["coord", "transfer"])
+    ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
+    ap.add_argument("--widths", default="64,128,256,512", help="comma-separated model widths")
+    ap.add_argument("--depths", help="coord: comma-separated depths at the config's width, instead of widths")
+    ap.add_argument("--lrs", help="transfer: comma-separated learning rates")
+    ap.add_argument("--steps", type=int, default=5, help="train steps (coord: a few; transfer: a few hundred)")
+    ap.add_argument("--param", choices=["mup", "sp"], help="override the config's parametrization")
+    ap.add_argument("--seeds", type=int, default=3, help="coord: seeds to average over")
+    ap.add_argument("--out", required=True, help="output directory")
+    args = ap.parse_args(argv)
+    try:
+        cfg = configs.load(args.config)
+        cfg = dataclasses.replace(cfg, param=args.param or cfg.param)
+        if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
+            data.prepare_shakespeare_char(data.data_dir(cfg))
+        axis, text = ("depth", args.depths) if args.depths else ("width", args.widths)
+        sizes = [int(v) for v in text.split(",")]
+        if len(sizes) < 2:
+            raise UsageError(f"--{axis}s needs at least two values to fit a slope")
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = f"{args.config}, {cfg.param}"
+        if args.command == "coord":
+            table = coord_check(cfg, axis, sizes, args.steps, args.seeds)
+            (out / "coord_check.json").write_text(json.dumps(slopes(sizes, table), indent=1))
+            plot_coord(out / "coord_check.png", axis, sizes, table, f"{name}: mean |x| against {axis}, lr {cfg.learning_rate:g}")
+            worst = max(abs(v) for s in slopes(sizes, table).values() for v in s[1:] if v is not None)
+            print(f"largest |slope| after step 0: {worst:.3f}; wrote {out}/coord_check.json and .png")
+        else:
+            if not args.lrs:
+                raise UsageError("transfer needs --lrs")
+            lrs = sorted(float(v) for v in args.lrs.split(","))
+            rows = []
+            for w in sizes:  # the files are rewritten after each width: a long sweep shows its progress
+                rows.append(lr_sweep(resize(cfg, "width", w), lrs, args.steps))
+                loss, done = np.stack(rows), sizes[:len(rows)]
+                best = {str(w): lrs[int(np.nanargmin(row))] for w, row in zip(done, loss)}
+                grid = [[float(v) if np.isfinite(v) else None for v in row] for row in loss]
+                result = {"config": args.config, "param": cfg.param, "steps": args.steps, "widths": done, "lrs": lrs,
+                          "loss": grid, "best_lr": best}
+                (out / "lr_transfer.json").write_text(json.dumps(result, indent=1))
+                plot_transfer(out / "lr_transfer.png", done, lrs, loss, f"{name}, {args.steps} steps")
+                print(f"width {w}: best LR {best[str(w)]:g}, loss {np.nanmin(loss[-1]):.4f}", flush=True)
+            print(f"best LR per width: {best}; wrote {out}/lr_transfer.json and .png")
+    except UsageError as e:
+        raise SystemExit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""muP and CompleteP against their invariants: SP at the base shape, update sizes, coordinate checks
+and learning-rate transfer. Each check has an SP control that must fail it, or it would prove nothing."""
+import dataclasses
+import math
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+import configs
+import model as M
+import mup
+import train
+from conftest import tiny
+
+
+def mup_tiny(**overrides):
+    """A tiny muP config with its base at width 64, depth 2, and 16-wide heads: attn_tau = 4 makes muP's
+    tau / 16 exactly SP's 1 / sqrt(16), so muP at the base shape is SP bit for bit."""
+    base = dict(param="mup", d_model=64, n_head=4, n_layer=2, d_base=64, depth_base=2, attn_tau=4.0, block_size=16,
+                batch_size=4, learning_rate=2e-3, min_lr=2e-3)
+    return tiny(**{**base, **overrides})
+
+
+def batch(cfg, seed=0):
+    x = np.random.default_rng(seed).integers(0, cfg.vocab_size, (1, cfg.batch_size, cfg.block_size + 1)).astype(np.int32)
+    return x[..., :-1], x[..., 1:]
+
+
+def params(gpt):
+    return jax.tree.leaves(eqx.filter(gpt, eqx.is_array))
+
+
+def train_steps(cfg, n):
+    """Logits of a random-parameter model and the parameters after n steps from init."""
+    s = train.setup(cfg, train.make_mesh(cfg))
+    x, y = batch(cfg)
+    leaves, tree = jax.tree.flatten(eqx.filter(s.model, eqx.is_array))
+    keys = jax.random.split(jax.random.key(7), len(leaves))
+    noisy = jax.tree.unflatten(tree, [a + 0.3 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys)])
+    logits = np.asarray(jax.vmap(eqx.combine(noisy, eqx.filter(s.model, eqx.is_array, inverse=True)))(x[0]))
+    gpt, opt_state = s.model, s.opt_state
+    for _ in range(n):
+        gpt, opt_state, _ = s.step(gpt, opt_state, x, y)
+    return logits, params(gpt)
+
+
+def test_configs_keep_sp_at_their_base_and_xl_reuses_the_base_lr():
+    """Every shipped config is muP based at its own shape: each multiplier 1, attention 1/sqrt(head_dim),
+    i.e. the SP model it was before muP. openwebtext_xl keeps openwebtext's LR, and muP rescales it:
+    hidden matrices get lr * 768/1600, residual branches 12/48."""
+    for name in ("shakespeare_char", "shakespeare_char_cpu", "openwebtext"):
+        cfg = configs.load(name)
+        assert cfg.param == "mup" and cfg.width_mult == 1 and cfg.depth_mult == 1, name
+        assert all(p.lr_mult == 1 and p.eps_mult == 1 for p in M.policy_rows(cfg).values()), name
+        assert cfg.attn_scale == pytest.approx(1 / math.sqrt(cfg.head_dim), rel=1e-12), name
+    base, xl = configs.load("openwebtext"), configs.load("openwebtext_xl")
+    assert (xl.learning_rate, xl.min_lr, xl.weight_decay) == (base.learning_rate, base.min_lr, base.weight_decay)
+    assert M.policy_rows(xl)["blocks.mlp.up"].lr_mult == pytest.approx(768 / 1600)
+    assert M.policy_rows(xl)["emb.embed"].lr_mult == 1
+    assert 1 / xl.depth_mult == 12 / 48 and xl.attn_scale == 1 / 8
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_mup_is_sp_at_the_base_shape(tie):
+    """At m = 1 (and L = depth_base) muP and SP are one model with one optimizer: identical logits and
+    identical parameters after two steps (the first moves only the zero-initialised readout)."""
+    sp = dataclasses.replace(mup_tiny(norm_gain=True, tie_embeddings=tie, alpha_in=1.5, alpha_out=0.5), param="sp")
+    logits_sp, after_sp = train_steps(sp, 2)
+    logits_mup, after_mup = train_steps(dataclasses.replace(sp, param="mup"), 2)
+    np.testing.assert_array_equal(logits_mup, logits_sp)
+    for a, b in zip(after_mup, after_sp):
+        np.testing.assert_array_equal(a, b)
+    if not tie:  # control: away from the base (m = 2, L = 2 * depth_base) the two differ
+        logits_far, after_far = train_steps(dataclasses.replace(sp, param="mup", d_base=32, depth_base=1), 2)
+        assert not np.allclose(logits_far, logits_sp)
+        assert not all(np.allclose(a, b) for a, b in zip(after_far, after_sp))
+
+
+@pytest.mark.parametrize("m", [4.0, 0.5])
+def test_first_adam_step_sizes_follow_mup(m):
+    """One Adam step from init (readout made nonzero, so every parameter has a gradient): each entry
+    moves by lr x its multiplier, since Adam's first step is lr * sign(g). Hidden matrices move by lr / m,
+    vector-like parameters (embedding, readout, gains) by lr. The expectations are muP's rules, not the table."""
+    cfg = mup_tiny(d_model=128, n_head=8, d_base=int(128 / m), norm_gain=True, weight_decay=0.0, learning_rate=1e-3,
+                   min_lr=1e-3)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    unembed = 0.1 * jax.random.normal(jax.random.key(1), s.model.emb.unembed.shape)  # logits O(1): no tiny grads
+    gpt = eqx.tree_at(lambda g: g.emb.unembed, s.model, unembed)
+    before = [(path, np.asarray(a)) for path, a in jax.tree_util.tree_flatten_with_path(eqx.filter(gpt, eqx.is_array))[0]]
+    after, _, _ = s.step(gpt, s.opt_state, *batch(cfg))  # donates gpt's arrays: before holds copies
+    hidden = {"blocks.attn.qkv", "blocks.attn.out", "blocks.mlp.up", "blocks.mlp.down"}
+    seen = set()
+    for (path, old), new in zip(before, params(after)):
+        name = M.param_name(path)
+        moved = np.abs(np.asarray(new) - old)
+        moved = moved[moved > 0]  # embedding rows of tokens absent from the batch get no gradient
+        assert moved.size > 0.1 * np.size(old), name
+        expected = 1 / m if name in hidden else 1.0
+        assert moved.mean() / cfg.learning_rate == pytest.approx(expected, rel=0.01), name
+        seen.add(name)
+    assert hidden < seen and len(seen) == 11
+
+
+def max_abs_slope(table, sizes, steps):
+    """The largest |slope| over activations and steps; only the logits at init (all 0) have none."""
+    fitted = mup.slopes(sizes, table)
+    assert all(fitted[name][t] is not None for name in fitted for t in steps if (name, t) != ("logits", 0))
+    return max(abs(fitted[name][t] or 0.0) for name in fitted for t in steps), fitted
+
+
+def test_coordinate_check_over_width(shakespeare):
+    """Widths 64 -> 512, steps 1-4: under muP every activation keeps its size (|slope| <= 0.15 in
+    log2 mean|x| against log2 width); the same harness under SP finds one growing (slope >= 0.4)."""
+    widths, cfg = [64, 128, 256, 512], mup_tiny(dataset="shakespeare_char")
+    worst, fitted = max_abs_slope(mup.coord_check(cfg, "width", widths, steps=4, seeds=2), widths, range(1, 5))
+    assert worst <= 0.15, fitted
+    sp = mup.coord_check(dataclasses.replace(cfg, param="sp"), "width", widths, steps=4, seeds=2)
+    grows, fitted_sp = max_abs_slope(sp, widths, range(1, 5))
+    assert grows >= 0.4, fitted_sp
+    assert set(fitted) == {"embed", "q", "k", "attn_logits", "attn_out", "mlp_hidden", "mlp_out", "resid.0",
+                           "resid.1", "logits"}
+
+
+def test_coordinate_check_over_depth(shakespeare):
+    """Depths 2 -> 16 at width 64, steps 1-4: with CompleteP's residual scale depth_base / L every
+    activation keeps its size (|slope| <= 0.15 against log2 depth); without it (SP, which at the base
+    width is muP without CompleteP) the residual stream grows. The embedding carries the stream
+    (alpha_in = 4; Cerebras-GPT's muP uses 10): at init CompleteP's stream is x0 plus 2L branches
+    scaled by depth_base / L, a part that fades like 1 / sqrt(L), which with alpha_in = 1 alone reads
+    as a slope of -0.2 over these shallow depths."""
+    depths, cfg = [2, 4, 8, 16], mup_tiny(dataset="shakespeare_char", alpha_in=4.0, learning_rate=4e-3, min_lr=4e-3)
+    worst, fitted = max_abs_slope(mup.coord_check(cfg, "depth", depths, steps=4, seeds=2), depths, range(1, 5))
+    assert worst <= 0.15, fitted
+    sp = mup.coord_check(dataclasses.replace(cfg, param="sp"), "depth", depths, steps=4, seeds=2)
+    grows, fitted_sp = max_abs_slope(sp, depths, range(1, 5))
+    assert grows >= 0.4, fitted_sp
+
+
+def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
+    """Widths 64, 128, 256, six LRs a factor 2 apart, 150 steps of real data: under muP the best LR is
+    the same grid point for every width (at most one step apart) and wider is better at it; under SP
+    the best LR moves down by at least one step from width 64 (where SP is muP) to 256."""
+    cfg = mup_tiny(dataset="shakespeare_char", n_layer=1, depth_base=1, batch_size=8, eval_batches=16, max_steps=150,
+                   warmup_steps=0, min_lr=2e-4)
+    widths, lrs = [64, 128, 256], [2.0**k for k in range(-10, -4)]
+    loss = np.stack([mup.lr_sweep(mup.resize(cfg, "width", w), lrs, 150) for w in widths])
+    best = np.nanargmin(loss, axis=1)
+    assert np.ptp(best) <= 1, loss
+    assert np.all(np.diff(loss[np.arange(len(widths)), best]) < 0), loss
+    sp_wide = mup.lr_sweep(mup.resize(dataclasses.replace(cfg, param="sp"), "width", widths[-1]), lrs, 150)
+    assert np.nanargmin(sp_wide) <= best[0] - 1, (loss, sp_wide)

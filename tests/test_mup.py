@@ -133,8 +133,9 @@ def test_coordinate_check_over_depth(shakespeare):
     depths, cfg = [2, 4, 8, 16], mup_tiny(dataset="shakespeare_char", alpha_in=4.0, learning_rate=4e-3, min_lr=4e-3)
     worst, fitted = max_abs_slope(mup.coord_check(cfg, "depth", depths, steps=4, seeds=2), depths, range(1, 5))
     assert worst <= 0.15, fitted
-    sp = mup.coord_check(dataclasses.replace(cfg, param="sp"), "depth", depths, steps=4, seeds=2)
-    grows, fitted_sp = max_abs_slope(sp, depths, range(1, 5))
+    ends = [depths[0], depths[-1]]  # the control needs only the ends for a slope: fewer compilations
+    sp = mup.coord_check(dataclasses.replace(cfg, param="sp"), "depth", ends, steps=4, seeds=2)
+    grows, fitted_sp = max_abs_slope(sp, ends, range(1, 5))
     assert grows >= 0.4, fitted_sp
 
 

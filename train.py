@@ -78,18 +78,20 @@ def scale_by_policy(cfg: Config, table) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda _: optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32)), update)
 
 
-def scale_for_eps(table) -> optax.GradientTransformation:
-    """Adam with each parameter's epsilon adam_eps * eps_mult, from optax's one-epsilon Adam: Adam's
-    update m / (sqrt(v) + eps) is unchanged when a gradient is scaled by c, except that eps acts as
-    eps / c; so each gradient is divided by its eps_mult before Adam (CompleteP's per-parameter eps)."""
-    return optax.stateless(lambda grads, _: jax.tree.map(lambda g, policy: g / policy.eps_mult, grads, table))
+def scale_by_adam(cfg: Config, table) -> optax.GradientTransformation:
+    """optax.scale_by_adam with each parameter's epsilon adam_eps * eps_mult (CompleteP's rule): Adam's
+    update m / (sqrt(v) + eps) is unchanged when a gradient is scaled by c, except that eps then acts as
+    eps / c, so each gradient is divided by its eps_mult first. The state is optax's own."""
+    adam = optax.scale_by_adam(cfg.beta1, cfg.beta2, cfg.adam_eps)
+
+    def update(grads, state, params=None):
+        return adam.update(jax.tree.map(lambda g, policy: g / policy.eps_mult, grads, table), state, params)
+
+    return optax.GradientTransformation(adam.init, update)
 
 
 def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       scale_for_eps(table),
-                       optax.scale_by_adam(cfg.beta1, cfg.beta2, cfg.adam_eps),
-                       scale_by_policy(cfg, table))
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), scale_by_adam(cfg, table), scale_by_policy(cfg, table))
 
 
 def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array) -> jax.Array:

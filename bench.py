@@ -100,6 +100,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
     import numpy as np
     from jax.sharding import NamedSharding
 
+    import model
     import train
 
     cfg.check(jax.device_count())
@@ -113,7 +114,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
     _, state = time_steps(s.step, state, (x, y), sharding, 2)  # warm up
     step_s, _ = time_steps(s.step, state, (x, y), sharding, steps)
     device = jax.devices()[0]
-    flops = train.flops_per_token(cfg)
+    flops = model.flops_per_token(cfg)
     tokens_per_s = cfg.batch_size * cfg.block_size / step_s
     peak = train.peak_flops(device)
     memory = device.memory_stats() or {}

@@ -296,3 +296,11 @@ def partition_specs(model: GPT, cfg: Config):
 
 def count_params(model: GPT) -> int:
     return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+def flops_per_token(cfg: Config) -> float:
+    """Model FLOPs per token, forward + backward: 6N + 12·L·D·T (PaLM, Chowdhery et al. 2022, app. B).
+    N counts the weights that take part in matmuls: blocks and readout, not the embedding lookup;
+    12·L·D·T is the attention scores and their use, over the full T x T (causal masking not deducted)."""
+    N = cfg.n_layer * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.mlp_width) + cfg.d_model * cfg.model_vocab
+    return 6 * N + 12 * cfg.n_layer * cfg.d_model * cfg.block_size

@@ -21,7 +21,7 @@ from tqdm import tqdm
 import data
 from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_checkpoint, stop_signals
 from configs import Config, RunError, UsageError
-from model import GPT, Policy, init_gpt, partition_specs, policy_table
+from model import GPT, Policy, count_params, flops_per_token, init_gpt, partition_specs, policy_table
 import sample
 
 BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): every device holds B / devices sequences
@@ -134,14 +134,6 @@ def make_train_step(optimizer, model_sharding, opt_sharding):
 eval_loss = eqx.filter_jit(loss_fn)
 
 
-def flops_per_token(cfg: Config) -> float:
-    """Model FLOPs per token, forward + backward: 6N + 12·L·D·T (PaLM, Chowdhery et al. 2022, app. B).
-    N counts the weights that take part in matmuls: blocks and readout, not the embedding lookup;
-    12·L·D·T is the attention scores and their use, over the full T x T (causal masking not deducted)."""
-    N = cfg.n_layer * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.mlp_width) + cfg.d_model * cfg.model_vocab
-    return 6 * N + 12 * cfg.n_layer * cfg.d_model * cfg.block_size
-
-
 # Dense bf16 peak FLOP/s per device from the datasheets, matched against jax's device_kind in order.
 PEAK_FLOPS = [("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("v4", 275e12), ("v5 lite", 197e12),
               ("v5e", 197e12), ("v5p", 459e12), ("v5", 459e12)]
@@ -184,8 +176,7 @@ class Logger:
         self.tb.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
-        """Text for tensorboard's text plugin (which renders it as markdown), written by process 0 alone.
-        Every process still computes the text in log_eval: sampling a model sharded over hosts takes them all."""
+        """Text for tensorboard's text plugin (markdown). Every process computes it: sampling takes them all."""
         from tensorboard.plugins.text.summary_v2 import text_pb
 
         self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=text_pb(tag, text)))
@@ -286,7 +277,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     schedule, peak = lr_schedule(cfg), peak_flops(jax.devices()[0])
     logger = Logger(rundir, start)
     say = tqdm.write if jax.process_index() == 0 else lambda text: None  # process 0 alone prints
-    say(f"{sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))):,} parameters, "
+    say(f"{count_params(model):,} parameters, "
         f"{jax.device_count()} {jax.devices()[0].device_kind} device(s), mesh {dict(mesh.shape)}, "
         f"MFU {'against ' + format(peak, '.3g') + ' FLOP/s' if peak else 'unknown: no datasheet peak for this device'}"
         + (f"; resuming from the checkpoint of step {start}" if start else ""))

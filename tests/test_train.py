@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from model import flops_per_token
 import train
 from conftest import ROOT, run, tiny
 
@@ -88,4 +89,4 @@ def test_flops_per_token_counts_gpt2_small():
     cfg = tiny(n_layer=12, n_head=12, d_model=768, vocab_size=50257, block_size=1024)
     n = 12 * 12 * 768**2 + 50304 * 768
     assert n == pytest.approx(123.6e6, rel=1e-3)
-    assert train.flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024
+    assert flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024

@@ -115,8 +115,9 @@ def test_two_processes_train_as_one(shakespeare, tmp_path, env, replica):
     assert len(state_one) == len(state_two)
     worst = max(float(np.abs(x - y).max()) for x, y in zip(state_one, state_two))
     print(f"mesh {replica} x {4 // replica}: {len(state_one)} restored arrays, max |1x4 - 2x2| = {worst:.2e}")
-    for x, y in zip(state_one, state_two):
-        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+    for x, y in zip(state_one, state_two):  # gloo's all-reduce sums in another order than one process does, and
+        # Adam's g / (sqrt(v) + eps) scales that rounding up where |g| is tiny: 1e-5 is ~0.1% of one step's update here
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("where", ["data", "loop"])

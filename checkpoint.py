@@ -16,6 +16,7 @@ import traceback
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -34,11 +35,18 @@ def checkpoint_manager(rundir: epath.Path, cfg: Config, read_only: bool = False)
     return ocp.CheckpointManager(rundir / "checkpoints", options=options)
 
 
+@eqx.filter_jit
+def all_finite(tree) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if eqx.is_array(x)]).all()
+
+
 def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_state, tally: dict) -> None:
     """Returns once the arrays are copied to host memory (the next step may donate them); a background
     thread writes them. An error of the previous save is raised here. train.py decides when to save, so
     orbax's own save policy is overridden (force). The tally is copied: the thread may write it after the
     loop has appended the next steps' metrics to it."""
+    if not all_finite((model, opt_state)):  # the skipped steps should make this impossible
+        raise RunError(f"the state after step {step} is not finite; not saved (the last checkpoint is step {mngr.latest_step()})")
     state = ocp.args.StandardSave({"model": eqx.filter(model, eqx.is_array), "opt_state": opt_state})
     mngr.save(step, args=ocp.args.Composite(state=state, tally=ocp.args.JsonSave(copy.deepcopy(tally))), force=True)
 
@@ -63,6 +71,8 @@ def one_line(what: str):
     """Orbax's I/O errors (a full disk, a lost bucket), often raised from its background thread, as one line."""
     try:
         yield
+    except RunError:
+        raise
     except (OSError, ValueError, RuntimeError) as e:
         raise RunError(f"{what} failed: {(str(e) or type(e).__name__).splitlines()[0]}") from None
 

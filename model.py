@@ -159,7 +159,11 @@ class GPT(eqx.Module):
 
     def __call__(self, tokens_T: Int[Array, "T"]) -> Float[Array, "T V"]:
         """Logits in float32 for one sequence."""
-        return self.logits(self.run_blocks(self.embed(tokens_T), jnp.arange(tokens_T.shape[0])))
+        return self.logits(self.hidden(tokens_T))
+
+    def hidden(self, tokens_T: Int[Array, "T"]) -> Array:
+        """The residual stream after the last block; train.loss_fn applies self.logits in chunks."""
+        return self.run_blocks(self.embed(tokens_T), jnp.arange(tokens_T.shape[0]))
 
     def embed(self, tokens_T: Int[Array, "T"]) -> Array:
         return tap("embed", self.alpha_in * self.embeddings().embed[tokens_T].astype(self.dtype))

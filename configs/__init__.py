@@ -36,6 +36,9 @@ class Config:
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameters always stay float32
     remat: Literal["none", "full", "save_dots"] = "none"  # what the backward pass recomputes
     scan_unroll: int = 1  # layers per scan iteration; >1 trades compile time for speed
+    # groups of sequences the readout and loss take one at a time (train.loss_fn): >1 keeps the float32
+    # (B, T, V) logits from existing whole, for one more readout matmul forward
+    loss_chunks: int = 1
 
     # parametrization: "mup" is the Maximal Update Parametrization (Tensor Programs V, Yang et al. 2022,
     # arXiv 2203.03466) with CompleteP's depth rules (Dey et al. 2025, arXiv 2505.01618): LRs tuned at
@@ -123,13 +126,15 @@ class Config:
             (self.batch_size % (n_devices * self.grad_accum),
              f"batch_size={self.batch_size} is not divisible by devices x grad_accum = {n_devices} x {self.grad_accum}"),
             (self.d_model % fsdp, f"d_model={self.d_model} is not divisible by the fsdp axis size {fsdp}; set mesh_replica"),
+            (self.microbatch_size % self.loss_chunks,
+             f"loss_chunks={self.loss_chunks} does not divide the {self.microbatch_size} sequences of a microbatch"),
         ]
         for bad, message in problems:
             if bad:
                 raise UsageError(message)
         for name in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "grad_accum", "max_steps",
                      "eval_interval", "eval_batches", "log_interval", "vocab_size", "vocab_multiple", "scan_unroll",
-                     "ckpt_interval", "ckpt_keep", "max_nonfinite", "d_base", "depth_base"):
+                     "ckpt_interval", "ckpt_keep", "max_nonfinite", "d_base", "depth_base", "loss_chunks"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
 

@@ -46,6 +46,7 @@ BAD_INPUTS = [  # (arguments after --config=shakespeare_char_cpu, what the one l
     (["--config.batch_size=10", "--config.grad_accum=4"], "batch_size=10 is not divisible by devices x grad_accum"),
     (["--config.block_size=200000"], "block_size=200000 is longer than the val split"),
     (["--config.dataset=nodata"], "prepare it with `python data.py nodata`"),
+    (["--config.loss_chunks=5"], "loss_chunks=5 does not divide the 12 sequences of a microbatch"),
     (["--config.vocab_size=50"], "beyond the model's vocab_size=50; set --config.vocab_size=65"),
 ]
 

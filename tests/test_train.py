@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from model import flops_per_token
+from model import flops_per_token, init_gpt
 import train
 from conftest import ROOT, run, tiny
 
@@ -90,3 +90,23 @@ def test_flops_per_token_counts_gpt2_small():
     n = 12 * 12 * 768**2 + 50304 * 768
     assert n == pytest.approx(123.6e6, rel=1e-3)
     assert flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024
+
+
+def test_chunked_loss_is_the_same_loss_in_less_memory():
+    """loss_chunks=4 gives the whole batch's loss and gradients (to float32 rounding), and the compiled
+    loss-and-gradient keeps less temporary memory than without chunks, by at least one whole batch of
+    float32 logits (the unchunked one holds the logits and their gradient at once)."""
+    cfg = tiny(vocab_size=4096, batch_size=8, block_size=32)
+    gpt = init_gpt(cfg, jax.random.key(0))
+    x_BT, y_BT = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8, 32))
+    logits_bytes = x_BT.size * cfg.model_vocab * 4
+    out = {}
+    for chunks in (1, 4):
+        f = eqx.filter_jit(lambda m, x, y: eqx.filter_value_and_grad(train.loss_fn)(m, x, y, chunks))
+        temp = f.lower(gpt, x_BT, y_BT).compile().compiled.memory_analysis().temp_size_in_bytes
+        out[chunks] = (*f(gpt, x_BT, y_BT), temp)
+    (loss1, grads1, temp1), (loss4, grads4, temp4) = out[1], out[4]
+    np.testing.assert_allclose(loss4, loss1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads4), jax.tree.leaves(grads1), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert temp4 < temp1 - logits_bytes, (temp1, temp4, logits_bytes)

@@ -4,6 +4,8 @@ Shapes: B batch, T time, D model width, H heads, K head dim, F mlp width, V voca
 Modules see one sequence (T tokens); train.py adds the batch with jax.vmap.
 """
 import dataclasses
+import functools
+import itertools
 import math
 from typing import Callable, Literal
 
@@ -189,11 +191,21 @@ class GPT(eqx.Module):
 def init_gpt(cfg: Config, key: Array) -> GPT:
     """A GPT whose parameters are drawn as the policy table says: init_mean + init_std * N(0, 1), and
     whose forward multipliers (muP's and CompleteP's) are static fields set from the config."""
+    skeleton = eqx.filter_eval_shape(gpt_skeleton, cfg)  # shapes only: eager zeros would each compile
+    params, static = eqx.partition(skeleton, is_param)
+    leaves, treedef = jax.tree.flatten(params)
+    rows = jax.tree.leaves(policy_table(skeleton, cfg), is_leaf=lambda x: isinstance(x, Policy))
+    leaves = draw(key, tuple((x.shape, row.init_mean, row.init_std) for x, row in zip(leaves, rows)))
+    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+
+
+def gpt_skeleton(cfg: Config) -> GPT:
+    """The GPT's structure and static fields; its arrays are placeholders that init_gpt replaces."""
     D, H, K, F, V = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.mlp_width, cfg.model_vocab
     gain = lambda n: jnp.ones(n) if cfg.norm_gain else None
     dt, impl = cfg.compute_dtype, attention_impl(cfg)
 
-    def block(_):  # shapes only: the values come from the table below
+    def block(_):
         attn = Attention(jnp.zeros((D, 3, H, K)), jnp.zeros((H, K, D)), jnp.ones(K), jnp.ones(K),
                          scale=cfg.attn_scale, rope_base=cfg.rope_base, dtype=dt, impl=impl)
         mlp = MLP(jnp.zeros((D, F)), jnp.zeros((F, D)), dtype=dt)
@@ -202,15 +214,18 @@ def init_gpt(cfg: Config, key: Array) -> GPT:
     emb = Embeddings(jnp.zeros((V, D)), jnp.zeros((V, D)))
     if cfg.tie_embeddings:
         emb = eqx.nn.Shared(emb, where=lambda e: e.unembed, get=lambda e: e.embed)
-    blocks = eqx.filter_vmap(block)(jnp.arange(cfg.n_layer))
-    model = GPT(emb, blocks, gain(D), alpha_in=cfg.alpha_in, readout_mult=cfg.alpha_out / cfg.width_mult, dtype=dt,
-                remat=cfg.remat, unroll=cfg.scan_unroll)
-    params, static = eqx.partition(model, eqx.is_array)
-    leaves, treedef = jax.tree.flatten(params)
-    rows = jax.tree.leaves(policy_table(model, cfg), is_leaf=lambda x: isinstance(x, Policy))
-    keys = jax.random.split(key, len(leaves))
-    leaves = [row.init_mean + row.init_std * jax.random.normal(k, x.shape) for x, row, k in zip(leaves, rows, keys)]
-    return eqx.combine(jax.tree.unflatten(treedef, leaves), static)
+    return GPT(emb, eqx.filter_vmap(block)(jnp.arange(cfg.n_layer)), gain(D), alpha_in=cfg.alpha_in,
+               readout_mult=cfg.alpha_out / cfg.width_mult, dtype=dt, remat=cfg.remat, unroll=cfg.scan_unroll)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def draw(key: Array, specs: tuple) -> list[Array]:
+    """mean + std * N(0, 1) for each (shape, mean, std), cut from one normal draw: a draw per shape, or
+    eager ones, would each compile (a second or more at startup on a CPU)."""
+    sizes = [math.prod(shape) for shape, _, _ in specs]
+    z = jax.random.normal(key, (sum(sizes),))
+    pieces = jnp.split(z, list(itertools.accumulate(sizes))[:-1])
+    return [mean + std * p.reshape(shape) for p, (shape, mean, std) in zip(pieces, specs)]
 
 
 def attention_impl(cfg: Config) -> str | None:
@@ -271,6 +286,11 @@ def policy_rows(cfg: Config) -> dict[str, Policy]:
     }
 
 
+def is_param(x) -> bool:
+    """An array of the model, or its shape alone (init_gpt's skeleton)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
+
+
 def param_name(path) -> str:
     """'blocks.attn.qkv' for a key path; eqx.nn.Shared's wrapper (.pytree) is not part of the name."""
     return ".".join(k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey) and k.name != "pytree")
@@ -279,7 +299,7 @@ def param_name(path) -> str:
 def policy_table(model: GPT, cfg: Config):
     """A pytree like the model's arrays with each parameter's Policy; every parameter needs a row."""
     rows = policy_rows(cfg)
-    params = eqx.filter(model, eqx.is_array)
+    params = eqx.filter(model, is_param)
     named = jax.tree_util.tree_flatten_with_path(params)[0]
     missing = [param_name(path) for path, _ in named if param_name(path) not in rows]
     assert not missing, f"parameters without a row in policy_rows: {missing}"

@@ -17,6 +17,13 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
 import configs  # noqa: E402
 
 
+# launch.py arguments for a tiny model on shakespeare_char, shared by the end-to-end runs. learning_rate
+# = min_lr keeps the schedule flat after warmup, so runs that differ only in max_steps take the same steps.
+TINY_RUN = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
+            "--config.block_size=16", "--config.batch_size=8", "--config.warmup_steps=4",
+            "--config.learning_rate=2e-3", "--config.min_lr=2e-3"]
+
+
 def tiny(**overrides) -> configs.Config:
     """A model small enough for a CPU test in seconds, on shakespeare_char."""
     base = dict(dataset="shakespeare_char", vocab_size=65, n_layer=2, n_head=2, d_model=32, block_size=16,

@@ -20,15 +20,11 @@ import configs
 import launch
 import train
 from checkpoint import checkpoint_manager, restore_checkpoint
-from conftest import ROOT, tiny
+from conftest import ROOT, TINY_RUN, tiny
 from model import init_gpt
 
-# A tiny model on shakespeare_char. min_lr = learning_rate keeps the schedule flat after warmup, so
-# runs that differ only in max_steps take the same steps.
-TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
-        "--config.block_size=16", "--config.batch_size=8", "--config.warmup_steps=4", "--config.learning_rate=2e-3",
-        "--config.min_lr=2e-3",
-        "--config.eval_batches=2", "--config.log_interval=4", "--config.eval_interval=8", "--config.ckpt_interval=8"]
+TINY = [*TINY_RUN, "--config.eval_batches=2", "--config.log_interval=4", "--config.eval_interval=8",
+        "--config.ckpt_interval=8"]
 STEPS = 16
 
 

@@ -16,14 +16,11 @@ import configs
 import launch
 import train
 from checkpoint import checkpoint_manager, restore_checkpoint
-from conftest import ROOT
+from conftest import ROOT, TINY_RUN
 
 STEPS = 10
 # A tiny model on shakespeare_char; every step logged, evaluations at 0 and STEPS, checkpoints at STEPS / 2 and STEPS.
-TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
-        "--config.block_size=16", "--config.batch_size=8", "--config.warmup_steps=4", "--config.learning_rate=2e-3",
-        "--config.min_lr=2e-3",
-        "--config.eval_batches=1", "--config.log_interval=1", f"--config.eval_interval={STEPS}",
+TINY = [*TINY_RUN, "--config.eval_batches=1", "--config.log_interval=1", f"--config.eval_interval={STEPS}",
         f"--config.ckpt_interval={STEPS // 2}", f"--config.max_steps={STEPS}"]
 
 

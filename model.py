@@ -12,6 +12,7 @@ from typing import Callable, Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
@@ -66,11 +67,31 @@ def rope(x_THK: Array, pos_T: Array, base: float) -> Array:
     """Rotary position embedding (Su et al. 2021), rotate-half form: dims i and i + K/2 form a pair
     rotated by angle pos * base^(-2i/K), so q.k depends on the positions' difference only."""
     half = x_THK.shape[-1] // 2
-    freq_K2 = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_TK2 = pos_T.astype(jnp.float32)[:, None] * freq_K2
-    cos_T1K, sin_T1K = jnp.cos(angle_TK2)[:, None], jnp.sin(angle_TK2)[:, None]
+    # Training's positions are numpy (GPT.hidden): the tables are then numpy constants in the program.
+    # Traced, XLA:CPU recomputed cos and sin inside every fusion that used them (~6% of a CPU step).
+    # sample.py's decoding positions are traced: jnp then.
+    xp = np if isinstance(pos_T, np.ndarray) else jnp
+    freq_K2 = base ** (-xp.arange(half, dtype=np.float32) / half)
+    angle_TK2 = pos_T.astype(np.float32)[:, None] * freq_K2
+    cos_T1K, sin_T1K = xp.cos(angle_TK2)[:, None], xp.sin(angle_TK2)[:, None]
     x1, x2 = x_THK[..., :half], x_THK[..., half:]
     return jnp.concatenate([x1 * cos_T1K - x2 * sin_T1K, x2 * cos_T1K + x1 * sin_T1K], axis=-1)
+
+
+def attend(q_THK: Array, k_SHK: Array, v_SHK: Array, scale: float, impl: str | None = None,
+           mask_TS: Array | None = None) -> Array:
+    """softmax(q.k * scale) v over the keys mask_TS allows (None: causal, query t sees keys s <= t).
+    jax.nn.dot_product_attention where impl names a fused kernel (cuDNN flash attention on GPU);
+    elsewhere the same math written out, softmax in float32: jax's own XLA version vmaps over a
+    query-group axis of size 1 whose softmax backward XLA:CPU runs ~10x slower (1.2 of 3 ms a layer)."""
+    if impl is not None:
+        return jax.nn.dot_product_attention(q_THK, k_SHK, v_SHK, scale=scale, mask=mask_TS,
+                                            is_causal=mask_TS is None, implementation=impl)
+    if mask_TS is None:  # a constant; an iota-built mask was rebuilt inside each fusion on the CPU
+        mask_TS = np.tril(np.ones((q_THK.shape[0], k_SHK.shape[0]), bool))
+    logits_HTS = scale * jnp.einsum("THK,SHK->HTS", q_THK, k_SHK, preferred_element_type=jnp.float32)
+    logits_HTS = jnp.where(mask_TS, logits_HTS, jnp.finfo(jnp.float32).min)
+    return jnp.einsum("HTS,SHK->THK", jax.nn.softmax(logits_HTS, axis=-1).astype(v_SHK.dtype), v_SHK)
 
 
 class Attention(eqx.Module):
@@ -81,7 +102,7 @@ class Attention(eqx.Module):
     scale: float = eqx.field(static=True)  # attention logit multiplier: cfg.attn_scale
     rope_base: float = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
-    impl: str | None = eqx.field(static=True)  # jax.nn.dot_product_attention implementation
+    impl: str | None = eqx.field(static=True)  # a fused attention kernel (attend), or None
 
     def project(self, x_TD: Array, pos_T: Array) -> tuple[Array, Array, Array]:
         """Queries, keys and values of one sequence; sample.py calls this to fill its KV cache."""
@@ -94,12 +115,9 @@ class Attention(eqx.Module):
 
     def __call__(self, x_TD: Array, pos_T: Array) -> Array:
         q_THK, k_THK, v_THK = self.project(x_TD, pos_T)
-        if TAPS:  # the logits themselves stay inside dot_product_attention; the causal ones, for mup.py
+        if TAPS:  # the logits themselves stay inside attend; the causal ones, for mup.py
             tap("attn_logits", self.scale * jnp.einsum("THK,SHK->HTS", q_THK, k_THK)[:, *jnp.tril_indices(len(pos_T))])
-        # Softmax in float32 inside; cuDNN flash attention on GPU when impl="cudnn".
-        o_THK = jax.nn.dot_product_attention(q_THK, k_THK, v_THK, scale=self.scale, is_causal=True,
-                                             implementation=self.impl)
-        return self.output(o_THK)
+        return self.output(attend(q_THK, k_THK, v_THK, self.scale, self.impl))
 
     def output(self, o_THK: Array) -> Array:
         """The heads' outputs mixed back to width D; sample.py calls this after attending to its cache."""
@@ -165,7 +183,7 @@ class GPT(eqx.Module):
 
     def hidden(self, tokens_T: Int[Array, "T"]) -> Array:
         """The residual stream after the last block; train.loss_fn applies self.logits in chunks."""
-        return self.run_blocks(self.embed(tokens_T), jnp.arange(tokens_T.shape[0]))
+        return self.run_blocks(self.embed(tokens_T), np.arange(tokens_T.shape[0]))  # concrete: see rope
 
     def embed(self, tokens_T: Int[Array, "T"]) -> Array:
         return tap("embed", self.alpha_in * self.embeddings().embed[tokens_T].astype(self.dtype))

@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     try:
         cfg = configs.load(args.config)
-        cfg = dataclasses.replace(cfg, param=args.param or cfg.param)
+        # One device: the sweeps compare widths and learning rates, not speed (no split CPU: cpu_devices)
+        cfg = dataclasses.replace(cfg, param=args.param or cfg.param, mesh_replica=1, cpu_devices=1)
         if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
             data.prepare_shakespeare_char(data.data_dir(cfg))
         axis, text = ("depth", args.depths) if args.depths else ("width", args.widths)

@@ -21,11 +21,12 @@ from typing import NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from etils import epath
 
 import data
 from configs import Config, UsageError
-from model import GPT, rms_norm
+from model import GPT, attend, rms_norm
 
 
 class Cache(NamedTuple):
@@ -49,7 +50,7 @@ def extend(model: GPT, cache: Cache, tokens_T: jax.Array, start) -> tuple[jax.Ar
     pos_T = start + jnp.arange(tokens_T.shape[0])
     # Positions past the newest are stale or empty, earlier ones are this sequence's past: a causal
     # mask by position. (Not is_causal: it aligns queries to keys from position 0, true only in prefill.)
-    mask_1TS = (jnp.arange(S)[None, :] <= pos_T[:, None])[None]
+    mask_TS = jnp.arange(S)[None, :] <= pos_T[:, None]
     params, static = eqx.partition(model.blocks, eqx.is_array)
 
     def layer(x_TD, inputs):
@@ -58,7 +59,7 @@ def extend(model: GPT, cache: Cache, tokens_T: jax.Array, start) -> tuple[jax.Ar
         q_THK, k_THK, v_THK = block.attn.project(rms_norm(x_TD, block.attn_norm), pos_T)
         k_SHK = jax.lax.dynamic_update_slice_in_dim(k_SHK, k_THK, start, axis=0)
         v_SHK = jax.lax.dynamic_update_slice_in_dim(v_SHK, v_THK, start, axis=0)
-        o_THK = jax.nn.dot_product_attention(q_THK, k_SHK, v_SHK, mask=mask_1TS, scale=block.attn.scale)
+        o_THK = attend(q_THK, k_SHK, v_SHK, block.attn.scale, mask_TS=mask_TS)
         return block.after_attention(x_TD, block.attn.output(o_THK)), (k_SHK, v_SHK)
 
     # Not unrolled (model.unroll is for training): generate holds three of these scans, and train.py's
@@ -134,8 +135,9 @@ def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.A
 
 def prompt_window(prompt: list[int], S: int) -> jax.Array:
     """The prompt's last S tokens, padded with -1 to S tokens: generate's fixed shape."""
-    prompt = prompt[-S:]
-    return jnp.full(S, -1, jnp.int32).at[:len(prompt)].set(jnp.asarray(prompt, jnp.int32))
+    window = np.full(S, -1, np.int32)  # numpy: each eager jnp op here compiled on its own
+    window[:len(prompt[-S:])] = prompt[-S:]
+    return jnp.asarray(window)
 
 
 def preview(model: GPT, cfg: Config, prompt: list[int], n: int = 128) -> str:

@@ -276,7 +276,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     batch_sharding, batch_shape = NamedSharding(mesh, BATCH_SPEC), (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
     eval_sharding = NamedSharding(mesh, P(("replica", "fsdp"), None))
     eval_splits = {"train": (train_tokens, data.EVAL_TRAIN), "val": (val_tokens, data.EVAL_VAL)}
-    schedule, peak = lr_schedule(cfg), peak_flops(jax.devices()[0])
+    schedule, peak = jax.jit(lr_schedule(cfg)), peak_flops(jax.devices()[0])  # jit: one compile, not one per op
     logger = Logger(rundir, start)
     say = tqdm.write if jax.process_index() == 0 else lambda text: None  # process 0 alone prints
     say(f"{count_params(model):,} parameters, "

@@ -34,7 +34,7 @@ def test_bad_overrides_name_the_field(arg, message):
 def test_every_config_module_loads_and_checks():
     assert {"shakespeare_char", "shakespeare_char_cpu", "openwebtext", "openwebtext_xl"} <= set(configs.available())
     for name in configs.available():
-        configs.load(name).check(1)
+        configs.load(name).check(configs.load(name).cpu_devices)  # 1, or the devices a CPU is split into
     xl = configs.load("openwebtext_xl")
     assert (xl.n_layer, xl.n_head, xl.d_model, xl.head_dim, xl.model_vocab) == (48, 25, 1600, 64, 50304)
 
@@ -48,6 +48,7 @@ BAD_INPUTS = [  # (arguments after --config=shakespeare_char_cpu, what the one l
     (["--config.dataset=nodata"], "prepare it with `python data.py nodata`"),
     (["--config.loss_chunks=5"], "loss_chunks=5 does not divide the 12 sequences of a microbatch"),
     (["--config.vocab_size=50"], "beyond the model's vocab_size=50; set --config.vocab_size=65"),
+    (["--config.cpu_devices=3"], "mesh_replica=2 does not divide the 3 devices"),
 ]
 
 

@@ -160,14 +160,27 @@ def test_linear_under_vmap_equals_a_plain_matmul_with_its_gradients():
 
 
 def test_attention_implementations_match_a_naive_reference():
-    """XLA's dot_product_attention (the CPU path) and, on a GPU, cuDNN's flash attention against
-    softmax(q k^T * scale + causal mask) v written out."""
-    q, k, v = (jax.random.normal(jax.random.key(i), (2, 16, 4, 8), jnp.float32) for i in range(3))
-    s = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(8) + jnp.where(jnp.tril(jnp.ones((16, 16))), 0, -jnp.inf)
-    naive = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(s, axis=-1), v)
-    np.testing.assert_allclose(jax.nn.dot_product_attention(q, k, v, is_causal=True), naive, rtol=1e-5, atol=1e-5)
-    if jax.default_backend() == "gpu":
-        bf = lambda a: a.astype(jnp.bfloat16)
-        out = jax.nn.dot_product_attention(bf(q), bf(k), bf(v), is_causal=True, implementation="cudnn")
-        np.testing.assert_allclose(out.astype(jnp.float32), naive, atol=3e-2)
+    """model.attend written out (the CPU path, causal and with sample.py's position mask), jax's XLA
+    dot_product_attention and, on a GPU, cuDNN's flash attention, against softmax(q k^T * scale + mask) v
+    in plain numpy, one sequence at a time."""
+    q, k, v = (np.asarray(jax.random.normal(jax.random.key(i), (2, 16, 4, 8), jnp.float32)) for i in range(3))
+
+    def naive(q, k, v, mask_TS):
+        s = np.einsum("thk,shk->hts", q, k) / math.sqrt(8) + np.where(mask_TS, 0, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("hts,shk->thk", p / p.sum(-1, keepdims=True), v)
+
+    causal = np.tril(np.ones((16, 16), bool))
+    window = causal & ~np.tril(np.ones((16, 16), bool), -3)  # each query sees itself and 2 before
+    for b in range(2):
+        want = naive(q[b], k[b], v[b], causal)
+        np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8)), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8), mask_TS=window),
+                                   naive(q[b], k[b], v[b], window), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(jax.nn.dot_product_attention(q[b], k[b], v[b], is_causal=True), want,
+                                   rtol=1e-5, atol=1e-5)
+        if jax.default_backend() == "gpu":
+            bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+            out = M.attend(bf(q[b]), bf(k[b]), bf(v[b]), 1 / math.sqrt(8), impl="cudnn")
+            np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2)
     assert M.attention_impl(tiny(compute_dtype="float32")) is None  # cuDNN needs bf16: never chosen for fp32

@@ -1,11 +1,13 @@
 """Checkpoints and stopping: the train state saved and restored with orbax, stopping on a signal, and
-stopping every process of a multi-host run when one of them fails.
+stopping every process of a multi-host run when one of them fails; and the run's logs, which a resumed
+run trims back to its checkpoint.
 
 A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each process writes its own
 shards) and the host-side tally of train.py, so a resumed run continues exactly where the saved one was.
 """
 import contextlib
 import copy
+import json
 import logging
 import os
 import signal
@@ -154,3 +156,45 @@ def fail_together():
     finally:
         done.set()
         thread.join()
+
+
+class Logger:
+    """Scalars to tensorboard event files and metrics.jsonl in the run directory (local or gs://), written
+    by process 0 alone (every process has the same numbers). A run resumed at step `start` first drops
+    what was logged after that step (it came after the checkpoint), so both read as one uninterrupted run."""
+
+    def __init__(self, rundir: epath.Path, start: int):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        if jax.process_index() != 0:  # process 0 alone writes; on the others every method does nothing
+            self.log = self.text = self.close = lambda *args: None
+            return
+        self.event, self.summary = event_pb2.Event, summary_pb2.Summary
+        self.tb = EventFileWriter(str(rundir))
+        if start:  # tensorboard discards the events of steps >= the step of a START session log
+            start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+            self.tb.add_event(self.event(wall_time=time.time(), step=start + 1, session_log=start_log))
+        self.path = rundir / "metrics.jsonl"
+        old = self.path.read_text().splitlines(keepends=True) if start and self.path.exists() else []
+        self.lines = [line for line in old if json.loads(line)["step"] <= start]
+
+    def log(self, step: int, record: dict[str, float], tags: dict[str, str]) -> None:
+        """Write record as one JSON line, and each value named in tags (record key -> tensorboard tag)."""
+        self.lines.append(json.dumps({"step": step, **record}) + "\n")
+        tmp = self.path.with_name(self.path.name + ".tmp")  # whole file, renamed into place: a kill never
+        tmp.write_text("".join(self.lines))  # leaves half a line, and GCS objects cannot be appended to
+        tmp.replace(self.path)
+        values = [self.summary.Value(tag=tag, simple_value=record[k]) for k, tag in tags.items() if record.get(k) is not None]
+        self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=self.summary(value=values)))
+        self.tb.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Text for tensorboard's text plugin (markdown). Every process computes it: sampling takes them all."""
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=text_pb(tag, text)))
+        self.tb.flush()
+
+    def close(self) -> None:
+        self.tb.close()

@@ -161,7 +161,10 @@ def fail_together():
 class Logger:
     """Scalars to tensorboard event files and metrics.jsonl in the run directory (local or gs://), written
     by process 0 alone (every process has the same numbers). A run resumed at step `start` first drops
-    what was logged after that step (it came after the checkpoint), so both read as one uninterrupted run."""
+    what was logged after that step (it came after the checkpoint), so both read as one uninterrupted run.
+    A local metrics.jsonl grows by one appended line per log. GCS objects cannot be appended to: there the
+    whole file is rewritten, at most once a minute and at the end (a kill loses at most that minute of
+    lines, which the tensorboard events still hold), not at every log (O(lines^2) bytes over a run)."""
 
     def __init__(self, rundir: epath.Path, start: int):
         from tensorboard.compat.proto import event_pb2, summary_pb2
@@ -175,16 +178,27 @@ class Logger:
         if start:  # tensorboard discards the events of steps >= the step of a START session log
             start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
             self.tb.add_event(self.event(wall_time=time.time(), step=start + 1, session_log=start_log))
-        self.path = rundir / "metrics.jsonl"
+        self.path, self.local = rundir / "metrics.jsonl", not str(rundir).startswith("gs://")
         old = self.path.read_text().splitlines(keepends=True) if start and self.path.exists() else []
-        self.lines = [line for line in old if json.loads(line)["step"] <= start]
+        # (a kill mid-append can leave a last line without its newline: it is dropped)
+        self.lines = [line for line in old if line.endswith("\n") and json.loads(line)["step"] <= start]
+        self.rewrite()
+
+    def rewrite(self) -> None:
+        """The whole file, written aside and renamed into place: a kill never leaves half of it."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(self.lines))
+        tmp.replace(self.path)
+        self.written = time.monotonic()
 
     def log(self, step: int, record: dict[str, float], tags: dict[str, str]) -> None:
         """Write record as one JSON line, and each value named in tags (record key -> tensorboard tag)."""
         self.lines.append(json.dumps({"step": step, **record}) + "\n")
-        tmp = self.path.with_name(self.path.name + ".tmp")  # whole file, renamed into place: a kill never
-        tmp.write_text("".join(self.lines))  # leaves half a line, and GCS objects cannot be appended to
-        tmp.replace(self.path)
+        if self.local:
+            with self.path.open("a") as f:
+                f.write(self.lines[-1])
+        elif time.monotonic() - self.written > 60:
+            self.rewrite()
         values = [self.summary.Value(tag=tag, simple_value=record[k]) for k, tag in tags.items() if record.get(k) is not None]
         self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=self.summary(value=values)))
         self.tb.flush()
@@ -197,4 +211,6 @@ class Logger:
         self.tb.flush()
 
     def close(self) -> None:
+        if not self.local:
+            self.rewrite()
         self.tb.close()

@@ -132,6 +132,12 @@ class Config:
             (self.d_model % fsdp, f"d_model={self.d_model} is not divisible by the fsdp axis size {fsdp}; set mesh_replica"),
             (self.microbatch_size % self.loss_chunks,
              f"loss_chunks={self.loss_chunks} does not divide the {self.microbatch_size} sequences of a microbatch"),
+            # the train step skips non-finite losses and gradients only: an update must be finite when they are
+            (not (0 < self.learning_rate < 3e38 and 0 <= self.min_lr < 3e38),
+             f"learning_rate={self.learning_rate} and min_lr={self.min_lr} must be finite in float32, learning_rate > 0"),
+            (not 0 <= self.weight_decay < 3e38, f"weight_decay={self.weight_decay} must be finite and >= 0"),
+            (not self.adam_eps > 0, f"adam_eps={self.adam_eps} must be > 0: Adam divides by sqrt(v) + eps"),
+            (not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1), f"beta1={self.beta1} and beta2={self.beta2} must be in [0, 1)"),
         ]
         for bad, message in problems:
             if bad:

@@ -208,14 +208,14 @@ def test_nonfinite_step_is_skipped_and_leaves_the_state_as_it_was():
 
 
 def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shakespeare, tmp_path, env):
-    """learning_rate=1e39 is inf in float32: every update is non-finite, so every step is skipped. After
+    """alpha_out=1e39 is inf in float32: every loss is non-finite, so every step is skipped. After
     max_nonfinite=3 the run stops with one line; the checkpoint of step 2 holds the untouched initial
     parameters (drawn again here) and zero Adam moments."""
     rundir = tmp_path / "run"
-    overrides = ["--config.learning_rate=1e39", "--config.max_nonfinite=3", "--config.log_interval=1",
+    overrides = ["--config.alpha_out=1e39", "--config.max_nonfinite=3", "--config.log_interval=1",
                  "--config.ckpt_interval=2", "--config.max_steps=50"]
     r = run(launch_args(rundir, *overrides), env)
-    assert_one_line_error(r, "3 steps in a row up to step 3 had a non-finite loss, gradient or update")
+    assert_one_line_error(r, "3 steps in a row up to step 3 had a non-finite loss or gradient")
     steps = [rec for rec in records(rundir) if "skipped" in rec]
     assert [(rec["step"], rec["skipped"], rec["loss"]) for rec in steps] == [(1, 1, None), (2, 2, None), (3, 3, None)]
     assert committed_steps(rundir) == [2]

@@ -49,6 +49,8 @@ BAD_INPUTS = [  # (arguments after --config=shakespeare_char_cpu, what the one l
     (["--config.loss_chunks=5"], "loss_chunks=5 does not divide the 12 sequences of a microbatch"),
     (["--config.vocab_size=50"], "beyond the model's vocab_size=50; set --config.vocab_size=65"),
     (["--config.cpu_devices=3"], "mesh_replica=2 does not divide the 3 devices"),
+    (["--config.learning_rate=1e39"], "learning_rate=1e+39 and min_lr=0.0002 must be finite in float32"),
+    (["--config.adam_eps=0"], "adam_eps=0.0 must be > 0"),
 ]
 
 

@@ -143,10 +143,7 @@ def main() -> None:
     args, overrides = ap.parse_known_args()
     try:
         cfg = launch.apply_overrides(configs.load(args.config), overrides)
-        import jax  # after parsing, as launch.py: a typo should not wait for jax to load
-
-        if cfg.cpu_devices > 1:  # as launch.py does, before anything starts JAX's backends
-            jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+        cfg.split_cpu()  # after parsing, as launch.py: a typo should not wait for jax to load
         print(json.dumps({"name": args.config, **bench(cfg, args.steps, args.torch)}))
     except UsageError as e:
         sys.exit(f"error: {e}")

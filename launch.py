@@ -122,8 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = apply_overrides(configs.load(args.config), overrides)
         import jax  # after parsing: a typo should not wait for jax to load
 
-        if cfg.cpu_devices > 1:  # before anything starts JAX's backends; 1 keeps JAX's default (or XLA_FLAGS')
-            jax.config.update("jax_num_cpu_devices", cfg.cpu_devices)
+        cfg.split_cpu()
         if args.multihost:
             if not args.rundir:
                 raise UsageError("--multihost needs --rundir: the default name's timestamp differs between hosts")

@@ -78,8 +78,8 @@ class Config:
     # across hosts (or TPU slices) first, fsdp within them (train.make_mesh)
     mesh_replica: int = 1  # devices on the replica axis; the rest go to fsdp
     # XLA:CPU runs one op at a time per device, by and large on one core. On a CPU, launch.py and bench.py
-    # split it into this many devices (jax_num_cpu_devices), to train data-parallel with mesh_replica =
-    # cpu_devices (shakespeare_char_cpu on 2 cores: 53 -> 39 ms a step). GPUs and TPUs ignore it.
+    # split it into this many devices (split_cpu), to train data-parallel with mesh_replica = cpu_devices
+    # (shakespeare_char_cpu on 2 cores: 53 -> 39 ms a step). GPUs and TPUs ignore it.
     cpu_devices: int = 1
 
     # checkpoints in RUNDIR/checkpoints (orbax); launching again with the same --rundir resumes
@@ -119,6 +119,14 @@ class Config:
     @property
     def microbatch_size(self) -> int:
         return self.batch_size // self.grad_accum
+
+    def split_cpu(self) -> None:
+        """Make the CPU cpu_devices JAX devices; before anything starts JAX's backends. 1 keeps JAX's
+        default (or XLA_FLAGS')."""
+        if self.cpu_devices > 1:
+            import jax  # here: configs loads without JAX
+
+            jax.config.update("jax_num_cpu_devices", self.cpu_devices)
 
     def check(self, n_devices: int) -> None:
         """Raise UsageError for a config that cannot run on n_devices, naming the field."""

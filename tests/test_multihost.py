@@ -25,11 +25,10 @@ TINY = [*TINY_RUN, "--config.eval_batches=1", "--config.log_interval=1", f"--con
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict:
-    """A compilation cache shared by the subprocesses (JAX reads it in every process, writes it in process 0)."""
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+def env() -> dict:
+    """No persistent compilation cache: a multi-device CPU step loaded from it can run its collectives in
+    different orders on different devices and hang (test_checkpoint_restores_onto_another_mesh)."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 
 
 def free_port() -> int:

@@ -2,6 +2,7 @@
 
 Shapes as in model.py, plus G microbatches per step.
 """
+import functools
 import math
 import signal
 import time
@@ -106,29 +107,32 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, chunks: int = 1) -> ja
     return jax.lax.map(jax.checkpoint(lambda hy: chunk_loss(*hy)), (split(h_BTD), split(y_BT))).sum() / y_BT.size
 
 
-def make_train_step(optimizer, mesh, model_sharding, opt_sharding, loss_chunks: int = 1):
+def make_train_step(optimizer, static: GPT, mesh, model_sharding, opt_sharding, loss_chunks: int = 1):
     """One jitted step: G microbatches by lax.scan (grads summed in float32), averaged over the replicas,
-    clip, AdamW. The model and optimizer state are donated, so their memory is reused for the new ones.
-    Data parallelism over "replica" is written out: shard_map and one pmean of the loss and gradients
-    (check_vma=False, else autodiff psums each gradient where it arises, in many small all-reduces);
-    "fsdp" is left to XLA's partitioner. Left whole to the partitioner, the CPU step took ~6% longer."""
+    clip, AdamW. The parameters and optimizer state are donated, so their memory is reused for the new
+    ones. static: the model's non-array part (eqx.partition). Data parallelism over "replica" is written
+    out: shard_map and one psum of the loss and gradients (check_vma=False, else autodiff psums each
+    gradient where it arises, in many small all-reduces); "fsdp" is left to XLA's partitioner. Left whole
+    to the partitioner, the CPU step took ~6% longer."""
     dp = mesh.shape["replica"] > 1  # XLA's partitioner rejects a shard_map over an axis of size 1
     grads_sharding = jax.tree.map(lambda s: s.spec if dp else s, model_sharding)  # specs inside shard_map
 
-    @eqx.filter_jit(donate="all")
+    @functools.partial(jax.jit, donate_argnums=(0, 1))  # the int32 batch has no output to reuse it
     @eqx.debug.assert_max_traces(max_traces=1)  # a second trace is a silent recompile: a bug
-    def step(model, opt_state, x_GBT, y_GBT):
-        params, static = eqx.partition(model, eqx.is_array)
-
+    def jitted(params, opt_state, x_GBT, y_GBT):
         def replica_grads(params, x_GBT, y_GBT):  # one replica's B / mesh_replica sequences
+            # The mean over microbatches and replicas is taken by scaling each loss before autodiff: a
+            # scalar at the head of the backward pass, not one more pass over every gradient after it.
+            n = len(x_GBT) * mesh.shape["replica"]
+            mean_loss = lambda model, x, y: loss_fn(model, x, y, loss_chunks) / n
+
             def micro(grads, xy):
-                loss, g = eqx.filter_value_and_grad(loss_fn)(eqx.combine(params, static), *xy, loss_chunks)
+                loss, g = eqx.filter_value_and_grad(mean_loss)(eqx.combine(params, static), *xy)
                 return jax.tree.map(jnp.add, grads, g), loss
 
             zeros = jax.lax.with_sharding_constraint(jax.tree.map(jnp.zeros_like, params), grads_sharding)
             grads, losses_G = jax.lax.scan(micro, zeros, (x_GBT, y_GBT))
-            out = losses_G.mean(), jax.tree.map(lambda g: g / len(x_GBT), grads)
-            return jax.lax.pmean(out, "replica") if dp else out
+            return jax.lax.psum((losses_G.sum(), grads), "replica") if dp else (losses_G.sum(), grads)
 
         if dp:
             replica_grads = jax.shard_map(replica_grads, mesh=mesh, in_specs=(P(), P(None, "replica"), P(None, "replica")),
@@ -146,8 +150,18 @@ def make_train_step(optimizer, mesh, model_sharding, opt_sharding, loss_chunks: 
 
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, opt_state = jax.lax.cond(ok, update, lambda: (params, opt_state))
-        model, opt_state = eqx.filter_shard((eqx.combine(params, static), opt_state), (model_sharding, opt_sharding))
-        return model, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+        params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), (model_sharding, opt_sharding))
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+
+    # jax.jit of the arrays, not eqx.filter_jit of the model: Equinox's wrapper flattens the model at every
+    # call and blocks on a marker output, ~1.3 ms of a 33 ms CPU step. Blocking is needed on the CPU alone:
+    # XLA:CPU devices that share a process's cores deadlocked in a loop run ahead of them (BENCHMARKS.md).
+    # On GPU and TPU the loop runs ahead, so the host's next batch overlaps the device's step.
+    block = mesh.devices.flat[0].platform == "cpu"
+
+    def step(model: GPT, opt_state, x_GBT, y_GBT):
+        params, opt_state, metrics = jitted(eqx.filter(model, eqx.is_array), opt_state, x_GBT, y_GBT)
+        return eqx.combine(params, static), opt_state, jax.block_until_ready(metrics) if block else metrics
 
     return step
 
@@ -230,7 +244,9 @@ def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     opt_sharding = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, model_sharding,
                                          transform_non_params=lambda _: NamedSharding(mesh, P()))
     opt_state = eqx.filter_shard(opt_state, opt_sharding)
-    return Setup(model, opt_state, make_train_step(optimizer, mesh, model_sharding, opt_sharding, cfg.loss_chunks), model_sharding, opt_sharding)
+    static = eqx.filter(model, eqx.is_array, inverse=True)
+    step = make_train_step(optimizer, static, mesh, model_sharding, opt_sharding, cfg.loss_chunks)
+    return Setup(model, opt_state, step, model_sharding, opt_sharding)
 
 
 def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, float] | None:

@@ -154,10 +154,10 @@ def make_train_step(optimizer, static: GPT, mesh, model_sharding, opt_sharding, 
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
 
     # jax.jit of the arrays, not eqx.filter_jit of the model: Equinox's wrapper flattens the model at every
-    # call and blocks on a marker output, ~1.3 ms of a 33 ms CPU step. Blocking is needed on the CPU alone:
-    # XLA:CPU devices that share a process's cores deadlocked in a loop run ahead of them (BENCHMARKS.md).
-    # On GPU and TPU the loop runs ahead, so the host's next batch overlaps the device's step.
-    block = mesh.devices.flat[0].platform == "cpu"
+    # call and blocks on a marker output, ~1.3 ms of a 33 ms CPU step. Blocking is needed for several CPU
+    # devices alone: XLA:CPU devices that share a process's cores deadlocked in a loop run ahead of them
+    # (BENCHMARKS.md). Elsewhere the loop runs ahead, so the host's next batch overlaps the device's step.
+    block = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
     def step(model: GPT, opt_state, x_GBT, y_GBT):
         params, opt_state, metrics = jitted(eqx.filter(model, eqx.is_array), opt_state, x_GBT, y_GBT)

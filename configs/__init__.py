@@ -79,7 +79,7 @@ class Config:
     mesh_replica: int = 1  # devices on the replica axis; the rest go to fsdp
     # XLA:CPU runs one op at a time per device, by and large on one core. On a CPU, launch.py and bench.py
     # split it into this many devices (split_cpu), to train data-parallel with mesh_replica = cpu_devices
-    # (shakespeare_char_cpu on 2 cores: 53 ms a step as one device, 35 as two; BENCHMARKS.md). GPUs and TPUs ignore it.
+    # (shakespeare_char_cpu on 2 cores: 53 ms a step as one device, 32 as two; BENCHMARKS.md). GPUs and TPUs ignore it.
     cpu_devices: int = 1
 
     # checkpoints in RUNDIR/checkpoints (orbax); launching again with the same --rundir resumes

@@ -8,6 +8,7 @@ Each writes data/NAME/: train.bin and val.bin (flat token ids, uint16 when the v
 else uint32) and meta.json (vocabulary, dtype, token counts, and how to encode/decode text).
 """
 import argparse
+import glob
 import hashlib
 import json
 import math
@@ -31,16 +32,21 @@ def data_dir(cfg: Config) -> Path:
     return ROOT / cfg.data_root / cfg.dataset
 
 
-def write_dataset(out: Path, train_ids, val_ids, vocab_size: int, tokenizer: dict) -> None:
-    """Write train.bin, val.bin and meta.json; meta.json last, so a half-written dataset has none."""
+def write_dataset(out: Path, splits: dict, vocab_size: int, tokenizer: dict) -> None:
+    """Write {split}.bin from each split's chunks of token ids, one chunk in memory at a time (openwebtext's
+    9B ids as int64 are 72 GB), then meta.json: removed first and written last, so a dataset cut off
+    halfway has none and load_split refuses it."""
     out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     counts = {}
-    for split, ids in (("train", train_ids), ("val", val_ids)):
-        arr = np.asarray(ids, dtype=dtype)
-        assert arr.size == 0 or int(arr.max()) < vocab_size
-        arr.tofile(out / f"{split}.bin")
-        counts[f"{split}_tokens"] = int(arr.size)
+    for split, chunks in splits.items():
+        counts[f"{split}_tokens"] = 0
+        with open(out / f"{split}.bin", "wb") as f:
+            for chunk in map(np.asarray, chunks):
+                assert chunk.size == 0 or 0 <= int(chunk.min()) <= int(chunk.max()) < vocab_size
+                chunk.astype(dtype).tofile(f)
+                counts[f"{split}_tokens"] += chunk.size
     meta = {"vocab_size": vocab_size, "dtype": np.dtype(dtype).name, **counts, "tokenizer": tokenizer}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
@@ -59,7 +65,7 @@ def prepare_shakespeare_char(out: Path) -> None:
     index = {c: i for i, c in enumerate(chars)}
     ids = np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
     n = int(len(ids) * 0.9)
-    write_dataset(out, ids[:n], ids[n:], len(chars), {"kind": "char", "chars": "".join(chars)})
+    write_dataset(out, {"train": [ids[:n]], "val": [ids[n:]]}, len(chars), {"kind": "char", "chars": "".join(chars)})
 
 
 def prepare_text(out: Path, source: str, text_field: str = "text", val_fraction: float = 0.0005) -> None:
@@ -69,14 +75,19 @@ def prepare_text(out: Path, source: str, text_field: str = "text", val_fraction:
     import tiktoken
 
     enc = tiktoken.get_encoding("gpt2")
-    files = sorted(str(p) for p in Path(".").glob(source)) if not Path(source).is_dir() else \
+    files = sorted(glob.glob(source, recursive=True)) if not Path(source).is_dir() else \
         sorted(str(p) for p in Path(source).iterdir() if p.suffix in (".txt", ".json", ".jsonl"))
     if files:  # local corpus: .txt split into paragraphs (blank lines), .json/.jsonl one document per record
         kind = "text" if files[0].endswith(".txt") else "json"
         kwargs = {"sample_by": "paragraph"} if kind == "text" else {}
         ds = datasets.load_dataset(kind, data_files=files, split="train", **kwargs)
     else:
-        ds = datasets.load_dataset(source, split="train", trust_remote_code=False)
+        try:
+            ds = datasets.load_dataset(source, split="train", trust_remote_code=False)
+        except Exception as e:  # not found, no network, ...: datasets' own reason, on one line
+            reason = " ".join(str(e).split())[:300]
+            raise UsageError(f"no local files match {source!r}, and as a Hugging Face dataset id it failed: "
+                             f"{type(e).__name__}: {reason}") from None
     if text_field not in ds.column_names:
         raise UsageError(f"{source} has no field {text_field!r} (fields: {ds.column_names}); pass --text_field")
     if len(ds) < 2:
@@ -84,14 +95,14 @@ def prepare_text(out: Path, source: str, text_field: str = "text", val_fraction:
     split = ds.train_test_split(test_size=max(1, round(val_fraction * len(ds))), seed=2357, shuffle=True)
     encode = lambda row: {"ids": enc.encode_ordinary(row[text_field]) + [enc.eot_token]}
     nproc = max(1, min(8, (os.cpu_count() or 2) // 2)) if len(ds) > 1000 else None
-    bins = {}
-    for name, part in (("train", split["train"]), ("val", split["test"])):
+
+    def chunks(part, name: str):  # the ids shard by shard, each read from datasets' on-disk cache in turn
         tokens = part.map(encode, remove_columns=part.column_names, num_proc=nproc, desc=f"tokenizing {name}")
-        shards = min(1024, len(tokens))  # concatenate shard by shard: openwebtext does not fit in RAM
-        bins[name] = np.concatenate([np.concatenate(s["ids"]) for s in
-                                     (tokens.shard(shards, i, contiguous=True).with_format("numpy")
-                                      for i in range(shards))])
-    write_dataset(out, bins["train"], bins["val"], enc.n_vocab, {"kind": "tiktoken", "encoding": "gpt2"})
+        shards = min(1024, len(tokens))
+        return (np.concatenate(tokens.shard(shards, i, contiguous=True).with_format("numpy")["ids"]) for i in range(shards))
+
+    write_dataset(out, {"train": chunks(split["train"], "train"), "val": chunks(split["test"], "val")}, enc.n_vocab,
+                  {"kind": "tiktoken", "encoding": "gpt2"})
 
 
 def tokenizer(meta: dict):

@@ -40,7 +40,8 @@ def test_batch_is_a_function_of_seed_and_step(shakespeare):
     np.testing.assert_array_equal(rows[0], a[0][4:])
 
 
-def test_gpt2_bpe_on_a_local_corpus(tmp_path):
+@pytest.mark.parametrize("source", ["folder", "absolute glob"])
+def test_gpt2_bpe_on_a_local_corpus(tmp_path, source):
     import tiktoken
 
     corpus = tmp_path / "corpus"
@@ -50,7 +51,7 @@ def test_gpt2_bpe_on_a_local_corpus(tmp_path):
     (corpus / "a.txt").write_text("\n\n".join(paragraphs[:20]))
     (corpus / "b.txt").write_text("\n\n".join(paragraphs[20:]))
     out = tmp_path / "data" / "mycorpus"
-    data.prepare_text(out, str(corpus), val_fraction=0.1)
+    data.prepare_text(out, str(corpus) if source == "folder" else str(corpus / "*.txt"), val_fraction=0.1)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == 50257 and meta["dtype"] == "uint16" and meta["tokenizer"]["kind"] == "tiktoken"
     enc = tiktoken.get_encoding("gpt2")
@@ -62,9 +63,15 @@ def test_gpt2_bpe_on_a_local_corpus(tmp_path):
     assert meta["val_tokens"] > 0 and meta["train_tokens"] > meta["val_tokens"]
 
 
-def test_uint32_when_the_vocabulary_is_large(tmp_path):
+def test_a_source_that_matches_nothing_is_one_line(tmp_path):
+    with pytest.raises(UsageError, match="no local files match .*none\\*.txt.*FileNotFoundError"):
+        data.prepare_text(tmp_path / "out", str(tmp_path / "none*.txt"))
+
+
+def test_uint32_when_the_vocabulary_is_large_written_in_chunks(tmp_path):
     ids = np.array([0, 70_000, 65_536, 3, 99_999] * 10)
-    data.write_dataset(tmp_path / "big", ids, ids[:20], 100_000, {"kind": "tiktoken", "encoding": "none"})
+    data.write_dataset(tmp_path / "big", {"train": np.split(ids, [7, 7, 30]), "val": [ids[:20]]}, 100_000,
+                       {"kind": "tiktoken", "encoding": "none"})
     cfg = tiny(dataset="big", data_root=str(tmp_path), vocab_size=100_000, block_size=4)
     tokens = data.load_split(cfg, "train")
     assert tokens.dtype == np.uint32
@@ -74,8 +81,21 @@ def test_uint32_when_the_vocabulary_is_large(tmp_path):
 @pytest.fixture
 def small_dataset(tmp_path):
     ids = np.arange(200) % 50
-    data.write_dataset(tmp_path / "small", ids, ids[:40], 50, {"kind": "char", "chars": "x" * 50})
+    data.write_dataset(tmp_path / "small", {"train": [ids], "val": [ids[:40]]}, 50, {"kind": "char", "chars": "x" * 50})
     return dataclasses.replace(tiny(dataset="small", data_root=str(tmp_path), vocab_size=50, block_size=16)), tmp_path / "small"
+
+
+def test_a_write_cut_off_leaves_no_dataset(small_dataset):
+    cfg, path = small_dataset
+
+    def failing():
+        yield np.arange(10)
+        raise KeyboardInterrupt  # as Ctrl-C halfway through tokenizing
+
+    with pytest.raises(KeyboardInterrupt):
+        data.write_dataset(path, {"train": failing(), "val": [np.arange(10)]}, 50, {"kind": "char", "chars": "x" * 50})
+    with pytest.raises(UsageError, match="no dataset at .*python data.py small"):
+        data.load_split(cfg, "train")
 
 
 def test_truncated_bin_is_reported(small_dataset):

@@ -142,6 +142,8 @@ def main() -> None:
     ap.add_argument("--torch", action="store_true", help="also time an eager PyTorch version (needs torch)")
     args, overrides = ap.parse_known_args()
     try:
+        if args.steps < 1:
+            raise UsageError(f"--steps={args.steps} must be at least 1")
         cfg = launch.apply_overrides(configs.load(args.config), overrides)
         cfg.split_cpu()  # after parsing, as launch.py: a typo should not wait for jax to load
         print(json.dumps({"name": args.config, **bench(cfg, args.steps, args.torch)}))

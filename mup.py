@@ -197,6 +197,16 @@ def plot_transfer(path: Path, widths: list[int], lrs: list[float], loss: np.ndar
     plt.close(fig)
 
 
+def positive_list(flag: str, text: str, kind: type) -> list:
+    try:
+        values = [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag}={text} is not a comma-separated list of {kind.__name__}s") from None
+    if min(values) <= 0:
+        raise UsageError(f"{flag}={text}: every value must be positive")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["coord", "transfer"])
@@ -213,12 +223,18 @@ def main(argv: list[str] | None = None) -> None:
         cfg = configs.load(args.config)
         # One device: the sweeps compare widths and learning rates, not speed (no split CPU: cpu_devices)
         cfg = dataclasses.replace(cfg, param=args.param or cfg.param, mesh_replica=1, cpu_devices=1)
-        if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
-            data.prepare_shakespeare_char(data.data_dir(cfg))
+        for flag, value in (("--steps", args.steps), ("--seeds", args.seeds)):
+            if value < 1:
+                raise UsageError(f"{flag}={value} must be at least 1")
         axis, text = ("depth", args.depths) if args.depths else ("width", args.widths)
-        sizes = [int(v) for v in text.split(",")]
+        sizes = positive_list(f"--{axis}s", text, int)
         if len(sizes) < 2:
             raise UsageError(f"--{axis}s needs at least two values to fit a slope")
+        lrs = sorted(positive_list("--lrs", args.lrs, float)) if args.lrs else None
+        if args.command == "transfer" and not lrs:
+            raise UsageError("transfer needs --lrs")
+        if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
+            data.prepare_shakespeare_char(data.data_dir(cfg))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         name = f"{args.config}, {cfg.param}"
@@ -229,9 +245,6 @@ def main(argv: list[str] | None = None) -> None:
             worst = max(abs(v) for s in slopes(sizes, table).values() for v in s[1:] if v is not None)
             print(f"largest |slope| after step 0: {worst:.3f}; wrote {out}/coord_check.json and .png")
         else:
-            if not args.lrs:
-                raise UsageError("transfer needs --lrs")
-            lrs = sorted(float(v) for v in args.lrs.split(","))
             rows = []
             for w in sizes:  # the files are rewritten after each width: a long sweep shows its progress
                 rows.append(lr_sweep(resize(cfg, "width", w), lrs, args.steps))

@@ -25,7 +25,9 @@ def test_bench_prints_one_json_line_with_every_field():
     assert 0 < out["fraction_of_matmul_peak"] < 1.5 and out["compile_s"] > 0
 
 
-def test_bench_rejects_a_bad_override_in_one_line():
-    r = run(["bench.py", "--config=shakespeare_char_cpu", "--config.n_head=3"])
-    assert r.returncode != 0 and r.stderr.strip().startswith("error: d_model=128 is not divisible by n_head=3")
+@pytest.mark.parametrize("arg, error", [("--config.n_head=3", "error: d_model=128 is not divisible by n_head=3"),
+                                        ("--steps=0", "error: --steps=0 must be at least 1")])
+def test_bench_rejects_bad_input_in_one_line(arg, error):
+    r = run(["bench.py", "--config=shakespeare_char_cpu", arg])
+    assert r.returncode != 0 and r.stderr.strip().startswith(error)
     assert "Traceback" not in r.stderr

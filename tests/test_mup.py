@@ -152,3 +152,12 @@ def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
     assert np.all(np.diff(loss[np.arange(len(widths)), best]) < 0), loss
     sp_wide = mup.lr_sweep(mup.resize(dataclasses.replace(cfg, param="sp"), "width", widths[-1]), lrs, 150)
     assert np.nanargmin(sp_wide) <= best[0] - 1, (loss, sp_wide)
+
+
+@pytest.mark.parametrize("args, error", [(["coord", "--widths=64,abc"], "--widths=64,abc is not a comma-separated list of ints"),
+                                         (["coord", "--depths=2,-4"], "--depths=2,-4: every value must be positive"),
+                                         (["coord", "--seeds=0"], "--seeds=0 must be at least 1"),
+                                         (["transfer", "--lrs=1e-3,fast"], "--lrs=1e-3,fast is not a comma-separated list of floats")])
+def test_bad_sweep_arguments_are_one_line_errors(tmp_path, args, error):
+    with pytest.raises(SystemExit, match=f"^error: {error}"):
+        mup.main([*args, "--config=shakespeare_char_cpu", f"--out={tmp_path}"])

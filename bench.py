@@ -15,16 +15,16 @@ import launch
 from configs import Config, UsageError
 
 
-def time_steps(step, state: tuple, batch: tuple, sharding, steps: int) -> tuple[float, tuple]:
-    """Seconds per step over `steps` calls, and the state after them. Each step puts its batch on the
-    devices as training does (the step donates its inputs, the batch included)."""
+def time_calls(step, state: tuple, batch: tuple, sharding, calls: int) -> tuple[float, tuple]:
+    """Seconds per call of the train step (steps_per_call steps) over `calls` calls, and the state after
+    them. Each call puts its batches on the devices as training does."""
     import jax
 
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(calls):
         *state, metrics = step(*state, *jax.device_put(batch, sharding))
     jax.block_until_ready(metrics)
-    return (time.perf_counter() - t0) / steps, tuple(state)
+    return (time.perf_counter() - t0) / calls, tuple(state)
 
 
 def matmul_peak(dtype: str) -> float:
@@ -98,7 +98,7 @@ def torch_step_s(cfg: Config, steps: int) -> float:
 def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     import model
     import train
@@ -106,13 +106,14 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
     cfg.check(jax.device_count())
     mesh = train.make_mesh(cfg)
     s = train.setup(cfg, mesh)
-    rng = np.random.default_rng(0)
-    x, y = (rng.integers(0, cfg.vocab_size, (cfg.grad_accum, cfg.microbatch_size, cfg.block_size), dtype=np.int32)
+    rng, K = np.random.default_rng(0), cfg.steps_per_call
+    x, y = (rng.integers(0, cfg.vocab_size, (K, cfg.grad_accum, cfg.microbatch_size, cfg.block_size), dtype=np.int32)
             for _ in range(2))
-    sharding = NamedSharding(mesh, train.BATCH_SPEC)
-    first_s, state = time_steps(s.step, (s.model, s.opt_state), (x, y), sharding, 1)  # traces and compiles
-    _, state = time_steps(s.step, state, (x, y), sharding, 2)  # warm up
-    step_s, _ = time_steps(s.step, state, (x, y), sharding, steps)
+    sharding = NamedSharding(mesh, P(None, *train.BATCH_SPEC))
+    first_s, state = time_calls(s.step, (s.model, s.opt_state), (x, y), sharding, 1)  # traces and compiles
+    _, state = time_calls(s.step, state, (x, y), sharding, 2)  # warm up
+    call_s, _ = time_calls(s.step, state, (x, y), sharding, -(-steps // K))
+    step_s = call_s / K
     device = jax.devices()[0]
     flops = model.flops_per_token(cfg)
     tokens_per_s = cfg.batch_size * cfg.block_size / step_s
@@ -123,8 +124,9 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
         "jax_version": jax.__version__, "tokens_per_s": round(tokens_per_s, 1), "step_ms": round(1e3 * step_s, 2),
         "flops_per_token": flops, "flops_formula": "6N + 12*L*D*T (PaLM app. B; N = block and readout weights)",
         "mfu": round(tokens_per_s * flops / (peak * jax.device_count()), 4) if peak else None,
-        "compile_s": round(first_s - step_s, 2), "peak_memory_bytes": memory.get("peak_bytes_in_use"),
+        "compile_s": round(first_s - call_s, 2), "peak_memory_bytes": memory.get("peak_bytes_in_use"),
         "compute_dtype": cfg.compute_dtype, "remat": cfg.remat, "scan_unroll": cfg.scan_unroll,
+        "steps_per_call": K,
     }
     if device.platform == "cpu":
         measured = matmul_peak(cfg.compute_dtype)
@@ -138,7 +140,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps after compile and warmup")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps after compile and warmup (whole calls)")
     ap.add_argument("--torch", action="store_true", help="also time an eager PyTorch version (needs torch)")
     args, overrides = ap.parse_known_args()
     try:

@@ -164,19 +164,21 @@ def get_batch(tokens: np.ndarray, seed: int, stream: int, step: int, n_seqs: int
     return buf[:, :-1], buf[:, 1:]
 
 
-def global_batch(tokens: np.ndarray, seed: int, stream: int, step: int, sharding, shape: tuple) -> tuple:
+def global_batch(tokens: np.ndarray, seed: int, stream: int, step: int | range, sharding, shape: tuple) -> tuple:
     """get_batch's sequences as two jax.Arrays of `shape` (..., B, T), B sharded by `sharding` and the
-    leading dims (microbatches) whole. Each process reads only the rows its devices hold, straight from
-    the memmap (midGPT copies all of train.bin into every host's RAM), and make_array_from_process_local_data
-    joins the processes' shares."""
+    leading dims (microbatches) whole; for a range of steps, theirs stacked on a new leading axis. Each
+    process reads only the rows its devices hold, straight from the memmap (midGPT copies all of
+    train.bin into every host's RAM), and make_array_from_process_local_data joins the processes' shares."""
     import jax  # here, so that preparing data does not wait for jax to load
 
     *lead, B, T = shape
-    held = sharding.addressable_devices_indices_map(tuple(shape)).values()
+    steps, shape = (step, (len(step), *shape)) if isinstance(step, range) else ([step], tuple(shape))
+    held = sharding.addressable_devices_indices_map(shape).values()
     mine = np.unique(np.concatenate([np.arange(B)[index[-2]] for index in held]))  # this process's rows of B
     G = math.prod(lead)
-    x, y = get_batch(tokens, seed, stream, step, G * B, T, rows=(np.arange(G)[:, None] * B + mine).ravel())
-    return tuple(jax.make_array_from_process_local_data(sharding, a.reshape(*lead, len(mine), T), tuple(shape))
+    rows = (np.arange(G)[:, None] * B + mine).ravel()
+    x, y = zip(*(get_batch(tokens, seed, stream, s, G * B, T, rows=rows) for s in steps))
+    return tuple(jax.make_array_from_process_local_data(sharding, np.stack(a).reshape(*shape[:-2], len(mine), T), shape)
                  for a in (x, y))
 
 

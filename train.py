@@ -1,6 +1,6 @@
 """The train step and the loop: mesh and FSDP shardings, AdamW, evaluation, logging.
 
-Shapes as in model.py, plus G microbatches per step.
+Shapes as in model.py, plus G microbatches per step and K steps per call (steps_per_call).
 """
 import functools
 import math
@@ -108,18 +108,18 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, chunks: int = 1) -> ja
 
 
 def make_train_step(optimizer, static: GPT, mesh, model_sharding, opt_sharding, loss_chunks: int = 1):
-    """One jitted step: G microbatches by lax.scan (grads summed in float32), averaged over the replicas,
-    clip, AdamW. The parameters and optimizer state are donated, so their memory is reused for the new
-    ones. static: the model's non-array part (eqx.partition). Data parallelism over "replica" is written
-    out: shard_map and one psum of the loss and gradients (check_vma=False, else autodiff psums each
-    gradient where it arises, in many small all-reduces); "fsdp" is left to XLA's partitioner. Left whole
-    to the partitioner, the CPU step took ~6% longer."""
+    """The jitted step: G microbatches by lax.scan (grads summed in float32), averaged over the replicas,
+    clip, AdamW; K steps a call by lax.scan over K batches. The parameters and optimizer state are donated,
+    so their memory is reused for the new ones. static: the model's non-array part (eqx.partition). Data
+    parallelism over "replica" is written out: shard_map and one psum of the loss and gradients
+    (check_vma=False, else autodiff psums each gradient where it arises, in many small all-reduces);
+    "fsdp" is left to XLA's partitioner. Left whole to the partitioner, the CPU step took ~6% longer."""
     dp = mesh.shape["replica"] > 1  # XLA's partitioner rejects a shard_map over an axis of size 1
     grads_sharding = jax.tree.map(lambda s: s.spec if dp else s, model_sharding)  # specs inside shard_map
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))  # the int32 batch has no output to reuse it
-    @eqx.debug.assert_max_traces(max_traces=1)  # a second trace is a silent recompile: a bug
-    def jitted(params, opt_state, x_GBT, y_GBT):
+    def one_step(state, xy):
+        (params, opt_state), (x_GBT, y_GBT) = state, xy
+
         def replica_grads(params, x_GBT, y_GBT):  # one replica's B / mesh_replica sequences
             # The mean over microbatches and replicas is taken by scaling each loss before autodiff: a
             # scalar at the head of the backward pass, not one more pass over every gradient after it.
@@ -151,7 +151,15 @@ def make_train_step(optimizer, static: GPT, mesh, model_sharding, opt_sharding, 
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         params, opt_state = jax.lax.cond(ok, update, lambda: (params, opt_state))
         params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), (model_sharding, opt_sharding))
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+        return (params, opt_state), {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))  # the int32 batch has no output to reuse it
+    @eqx.debug.assert_max_traces(max_traces=1)  # a second trace is a silent recompile: a bug
+    def jitted(params, opt_state, x, y):
+        """x, y (G, B, T): one step. (K, G, B, T): K steps by lax.scan (steps_per_call), metrics (K,)."""
+        state = (params, opt_state)
+        state, metrics = one_step(state, (x, y)) if x.ndim == 3 else jax.lax.scan(one_step, state, (x, y))
+        return *state, metrics
 
     # jax.jit of the arrays, not eqx.filter_jit of the model: Equinox's wrapper flattens the model at every
     # call and blocks on a marker output, ~1.3 ms of a 33 ms CPU step. Blocking is needed for several CPU
@@ -159,8 +167,8 @@ def make_train_step(optimizer, static: GPT, mesh, model_sharding, opt_sharding, 
     # (BENCHMARKS.md). Elsewhere the loop runs ahead, so the host's next batch overlaps the device's step.
     block = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
-    def step(model: GPT, opt_state, x_GBT, y_GBT):
-        params, opt_state, metrics = jitted(eqx.filter(model, eqx.is_array), opt_state, x_GBT, y_GBT)
+    def step(model: GPT, opt_state, x, y):
+        params, opt_state, metrics = jitted(eqx.filter(model, eqx.is_array), opt_state, x, y)
         return eqx.combine(params, static), opt_state, jax.block_until_ready(metrics) if block else metrics
 
     return step
@@ -191,11 +199,12 @@ class Tally:
         self.state = saved or {"since_log": [], "streak": 0, "skipped": 0}
 
     def fetch(self) -> None:
-        for m in jax.device_get(self.on_device):
-            m = {k: v.item() for k, v in m.items()}
-            self.state["since_log"].append(m)
-            self.state["streak"] = self.state["streak"] + 1 if m["skipped"] else 0
-            self.state["skipped"] += m["skipped"]
+        for call in jax.device_get(self.on_device):  # each call's metrics: (K,) arrays, an entry a step
+            for i in range(len(call["loss"])):
+                m = {k: v[i].item() for k, v in call.items()}
+                self.state["since_log"].append(m)
+                self.state["streak"] = self.state["streak"] + 1 if m["skipped"] else 0
+                self.state["skipped"] += m["skipped"]
         self.on_device = []
 
     def record(self, step: int) -> dict:
@@ -260,8 +269,10 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
         start = mngr.latest_step() or 0
         model, opt_state, saved = restore_checkpoint(mngr, model, opt_state) if start else (model, opt_state, None)
+    if start % (K := cfg.steps_per_call):
+        raise UsageError(f"the checkpoint is at step {start}, not a multiple of steps_per_call={K}: resume with a divisor of it")
     tally = Tally(cfg, saved)
-    batch_sharding, batch_shape = NamedSharding(mesh, BATCH_SPEC), (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
+    batch_sharding, batch_shape = NamedSharding(mesh, P(None, *BATCH_SPEC)), (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
     eval_sharding = NamedSharding(mesh, P(("replica", "fsdp"), None))
     eval_splits = {"train": (train_tokens, data.EVAL_TRAIN), "val": (val_tokens, data.EVAL_VAL)}
     schedule, peak = jax.jit(lr_schedule(cfg)), peak_flops(jax.devices()[0])  # jit: one compile, not one per op
@@ -293,26 +304,27 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     tokens_per_s, t0, t0_step = None, None, start
     try:
         with stop_signals() as caught:
-            for step in range(start, cfg.max_steps):
-                if debug and step == min(start + 5, cfg.max_steps - 1):
+            for step in range(start, cfg.max_steps, K):  # K steps a call (steps_per_call)
+                if debug and step == min(start + 5 * K, cfg.max_steps - K):
                     jax.profiler.start_trace(str(rundir / "profile"))
-                batch = data.global_batch(train_tokens, cfg.seed, data.TRAIN, step, batch_sharding, batch_shape)
+                steps = range(step, step + K)
+                batch = data.global_batch(train_tokens, cfg.seed, data.TRAIN, steps, batch_sharding, batch_shape)
                 model, opt_state, metrics = step_fn(model, opt_state, *batch)
                 tally.on_device.append(metrics)
-                done = step + 1
-                if debug and done == min(start + 8, cfg.max_steps):
+                done = step + K
+                if debug and done == min(start + 8 * K, cfg.max_steps):
                     jax.block_until_ready(model)
                     jax.profiler.stop_trace()
                 if t0 is None:  # time from the end of the first step, so compilation is not counted
                     jax.block_until_ready(metrics)
                     t0, t0_step = time.perf_counter(), done
-                stop = bool(caught) or (jax.process_count() > 1 and mngr.reached_preemption(done))
+                stop = bool(caught) or (jax.process_count() > 1 and any([mngr.reached_preemption(s + 1) for s in steps]))
                 if done % cfg.log_interval == 0 or done == cfg.max_steps:
                     record = tally.record(done)  # the only host sync between evaluations and saves
                     elapsed = time.perf_counter() - t0
                     tokens_per_s = (done - t0_step) * cfg.batch_size * cfg.block_size / elapsed if done > t0_step else None
                     mfu = tokens_per_s * flops_per_token(cfg) / (peak * jax.device_count()) if peak and tokens_per_s else None
-                    record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s, "mfu": mfu}
+                    record |= {"lr": float(schedule(done - 1)), "tokens_per_s": tokens_per_s, "mfu": mfu}
                     logger.log(done, record, {"loss": "loss/batch", "lr": "lr", "grad_norm": "grad_norm",
                                               "skipped": "skipped_steps", "tokens_per_s": "tokens_per_s", "mfu": "mfu"})
                     bar.set_postfix(loss=f"{math.nan if record['loss'] is None else record['loss']:.4f}", lr=f"{record['lr']:.2e}",

@@ -114,6 +114,25 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path, env):
     assert f"--config.max_steps={STEPS // 2}" in run_info["argv"] and len(run_info["resumed"]) == 1
 
 
+def test_steps_per_call_changes_nothing_but_speed(straight, tmp_path, env):
+    """Half the run at 2 steps a call, the rest at 4: the straight run's metrics (one step a call) and final
+    state, up to float rounding. A checkpoint step that is not a multiple of steps_per_call is refused in one line."""
+    rundir = tmp_path / "run"
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS // 2}", "--config.steps_per_call=2"), env)
+    assert r.returncode == 0, r.stderr
+    threes = [f"--config.{name}=3" for name in ("steps_per_call", "log_interval", "eval_interval", "ckpt_interval")]
+    r = run(launch_args(rundir, "--config.max_steps=15", *threes), env)
+    assert_one_line_error(r, f"the checkpoint is at step {STEPS // 2}, not a multiple of steps_per_call=3")
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}", "--config.steps_per_call=4"), env)
+    assert r.returncode == 0, r.stderr
+    got = records(rundir)
+    assert [g["step"] for g in got] == [s["step"] for s in straight[0]]
+    for g, s in zip(got, straight[0]):
+        assert g == pytest.approx(s, rel=1e-5), g["step"]
+    for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_sigkill_at_random_moments_then_resume_equals_straight_run(straight, tmp_path, env):
     """A checkpoint every step, and SIGKILL at 5 random moments: each once the run has reached a random
     step, then either as soon as a save is in flight (orbax's temporary directory exists) or after a

@@ -51,6 +51,8 @@ BAD_INPUTS = [  # (arguments after --config=shakespeare_char_cpu, what the one l
     (["--config.cpu_devices=3"], "mesh_replica=2 does not divide the 3 devices"),
     (["--config.learning_rate=1e39"], "learning_rate=1e+39 and min_lr=0.0002 must be finite in float32"),
     (["--config.adam_eps=0"], "adam_eps=0.0 must be > 0"),
+    (["--config.max_steps=33"], "max_steps=33 is not a multiple of steps_per_call=5"),
+    (["--config.steps_per_call=0"], "steps_per_call=0 must be at least 1"),
 ]
 
 

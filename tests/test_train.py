@@ -47,6 +47,24 @@ def test_accumulation_equals_one_big_batch():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_steps_per_call_equals_one_step_a_call():
+    """3 steps in one call (lax.scan over their batches, as the loop runs steps_per_call of them) give the
+    losses and parameters of 3 calls of one step each."""
+    cfg = tiny()
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 1, 8, cfg.block_size)).astype(np.int32)
+    y = np.roll(x, -1, axis=-1)
+    one, three = train.setup(cfg, train.make_mesh(cfg)), train.setup(cfg, train.make_mesh(cfg))
+    model, opt_state, losses = one.model, one.opt_state, []
+    for k in range(3):
+        model, opt_state, metrics = one.step(model, opt_state, x[k], y[k])
+        losses.append(float(metrics["loss"]))
+    model3, _, metrics3 = three.step(three.model, three.opt_state, x, y)
+    assert metrics3["loss"].shape == (3,) and len(set(losses)) == 3  # three different steps
+    np.testing.assert_allclose(metrics3["loss"], losses, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)), jax.tree.leaves(eqx.filter(model3, eqx.is_array))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_lr_schedule_warmup_then_cosine():
     cfg = tiny(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
     lr = train.lr_schedule(cfg)

@@ -35,8 +35,7 @@ def make_mesh(cfg: Config) -> jax.sharding.Mesh:
     slices = len({getattr(d, "slice_index", 0) for d in devices}) > 1
     g = len({d.slice_index if slices else d.process_index for d in devices})
     if r % g and g % r:
-        raise UsageError(f"mesh_replica={r} is neither a multiple nor a divisor of the {g} "
-                         + ("slices" if slices else "processes"))
+        raise UsageError(f"mesh_replica={r} is neither a multiple nor a divisor of the {g} {'slices' if slices else 'processes'}")
     m = min(r, g)  # replicas across granules; r // m more within each, and fsdp takes the rest of a granule
     within, across = (r // m, len(devices) // g // (r // m)), (m, g // m)
     grid = mesh_utils.create_hybrid_device_mesh(within, across, devices, process_is_granule=not slices,
@@ -45,9 +44,7 @@ def make_mesh(cfg: Config) -> jax.sharding.Mesh:
 
 
 def lr_schedule(cfg: Config):
-    """Linear warmup from learning_rate / warmup_steps to learning_rate, then cosine decay to min_lr
-    at max_steps (and min_lr after)."""
-
+    """Linear warmup from learning_rate / warmup_steps to learning_rate, then cosine decay to min_lr at max_steps."""
     def lr(step):
         step = jnp.asarray(step, jnp.float32)
         warm = cfg.learning_rate * (step + 1) / max(cfg.warmup_steps, 1)
@@ -90,7 +87,14 @@ def scale_by_adam(cfg: Config, table) -> optax.GradientTransformation:
 
 
 def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), scale_by_adam(cfg, table), scale_by_policy(cfg, table))
+    """Clip by global norm, Adam, LR and decay. The clip is optax.clip_by_global_norm (its state too) as a scalar
+    multiplier, which XLA fuses into Adam's moment updates (optax's divide took a pass of its own, ~0.5 ms a CPU step)."""
+    def clip(grads, state, params=None):
+        scale = jnp.minimum(1.0, cfg.grad_clip / optax.tree.norm(grads))
+        return jax.tree.map(lambda g: g * scale, grads), state
+
+    return optax.chain(optax.GradientTransformation(lambda _: optax.EmptyState(), clip), scale_by_adam(cfg, table),
+                       scale_by_policy(cfg, table))
 
 
 def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, chunks: int = 1) -> jax.Array:
@@ -108,12 +112,11 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, chunks: int = 1) -> ja
 
 
 def make_train_step(optimizer, static: GPT, mesh, model_sharding, opt_sharding, loss_chunks: int = 1):
-    """The jitted step: G microbatches by lax.scan (grads summed in float32), averaged over the replicas,
-    clip, AdamW; K steps a call by lax.scan over K batches. The parameters and optimizer state are donated,
-    so their memory is reused for the new ones. static: the model's non-array part (eqx.partition). Data
-    parallelism over "replica" is written out: shard_map and one psum of the loss and gradients
-    (check_vma=False, else autodiff psums each gradient where it arises, in many small all-reduces);
-    "fsdp" is left to XLA's partitioner. Left whole to the partitioner, the CPU step took ~6% longer."""
+    """The jitted step: G microbatches by lax.scan (grads summed in float32), averaged over the replicas, clip,
+    AdamW; K steps a call by lax.scan over K batches. Parameters and optimizer state are donated (their memory
+    is reused). static: the model's non-array part. Data parallelism over "replica" is written out: shard_map
+    and one psum of the loss and gradients (check_vma=False, else autodiff psums each gradient where it arises,
+    in many small all-reduces); "fsdp" is left to XLA's partitioner (whole, the CPU step took ~6% longer)."""
     dp = mesh.shape["replica"] > 1  # XLA's partitioner rejects a shard_map over an axis of size 1
     grads_sharding = jax.tree.map(lambda s: s.spec if dp else s, model_sharding)  # specs inside shard_map
 
@@ -188,20 +191,17 @@ def peak_flops(device) -> float | None:
 
 
 class Tally:
-    """The step metrics on the host: fetched from the device only at log points and saves (a fetch waits
-    for the device), and saved with each checkpoint, so a resumed run logs exactly what an uninterrupted
-    one would. Counts the skipped (non-finite) steps."""
+    """The step metrics on the host: fetched from the device only at log points and saves (a fetch waits), saved
+    with each checkpoint so a resumed run logs exactly what an uninterrupted one would; counts skipped steps."""
 
     def __init__(self, cfg: Config, saved: dict | None = None):
         self.cfg, self.on_device = cfg, []  # metrics of the steps not fetched yet
-        # since_log: the fetched metrics of the steps after the last multiple of log_interval;
-        # streak: skipped steps in a row; skipped: all skipped steps
+        # since_log: fetched metrics of the steps after the last multiple of log_interval; streak: skipped in a row
         self.state = saved or {"since_log": [], "streak": 0, "skipped": 0}
 
     def fetch(self) -> None:
         for call in jax.device_get(self.on_device):  # each call's metrics: (K,) arrays, an entry a step
-            for i in range(len(call["loss"])):
-                m = {k: v[i].item() for k, v in call.items()}
+            for m in ({k: v[i].item() for k, v in call.items()} for i in range(len(call["loss"]))):
                 self.state["since_log"].append(m)
                 self.state["streak"] = self.state["streak"] + 1 if m["skipped"] else 0
                 self.state["skipped"] += m["skipped"]
@@ -238,7 +238,7 @@ def evaluate(model: GPT, cfg: Config, splits: dict, sharding) -> dict[str, float
 class Setup(NamedTuple):
     model: GPT
     opt_state: optax.OptState
-    step: Callable  # (model, opt_state, x_GBT, y_GBT) -> (model, opt_state, metrics), jitted
+    step: Callable  # (model, opt_state, x, y) -> (model, opt_state, metrics), jitted; make_train_step
     model_sharding: object  # NamedShardings like the model's arrays
     opt_sharding: object
 
@@ -284,8 +284,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         + (f"; resuming from the checkpoint of step {start}" if start else ""))
 
     def log_eval(step: int, tokens_per_s: float | None) -> dict:
-        record = {**evaluate(model, cfg, eval_splits, eval_sharding), "lr": float(schedule(step)),
-                  "tokens_per_s": tokens_per_s}
+        record = {**evaluate(model, cfg, eval_splits, eval_sharding), "lr": float(schedule(step)), "tokens_per_s": tokens_per_s}
         logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
         # A short sample from the start of the val split, in a markdown code block to keep its line breaks.
         logger.text(step, "sample", f"```\n{sample.preview(model, cfg, val_tokens[:8].tolist())}\n```")
@@ -307,18 +306,19 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
             for step in range(start, cfg.max_steps, K):  # K steps a call (steps_per_call)
                 if debug and step == min(start + 5 * K, cfg.max_steps - K):
                     jax.profiler.start_trace(str(rundir / "profile"))
-                steps = range(step, step + K)
-                batch = data.global_batch(train_tokens, cfg.seed, data.TRAIN, steps, batch_sharding, batch_shape)
+                done = step + K
+                batch = data.global_batch(train_tokens, cfg.seed, data.TRAIN, range(step, done), batch_sharding, batch_shape)
                 model, opt_state, metrics = step_fn(model, opt_state, *batch)
                 tally.on_device.append(metrics)
-                done = step + K
                 if debug and done == min(start + 8 * K, cfg.max_steps):
                     jax.block_until_ready(model)
                     jax.profiler.stop_trace()
                 if t0 is None:  # time from the end of the first step, so compilation is not counted
                     jax.block_until_ready(metrics)
                     t0, t0_step = time.perf_counter(), done
-                stop = bool(caught) or (jax.process_count() > 1 and any([mngr.reached_preemption(s + 1) for s in steps]))
+                # JAX's preemption sync point must be asked about every step (a list: no short-circuit)
+                synced = jax.process_count() > 1 and any([mngr.reached_preemption(s) for s in range(step + 1, done + 1)])
+                stop = bool(caught) or synced
                 if done % cfg.log_interval == 0 or done == cfg.max_steps:
                     record = tally.record(done)  # the only host sync between evaluations and saves
                     elapsed = time.perf_counter() - t0

@@ -7,7 +7,7 @@ from conftest import run
 
 FIELDS = {"name", "device_kind", "device_count", "jax_version", "tokens_per_s", "step_ms", "flops_per_token",
           "flops_formula", "mfu", "compile_s", "peak_memory_bytes", "compute_dtype", "remat", "scan_unroll",
-          "matmul_peak_flops", "fraction_of_matmul_peak"}
+          "steps_per_call", "matmul_peak_flops", "fraction_of_matmul_peak"}
 
 
 def test_bench_prints_one_json_line_with_every_field():

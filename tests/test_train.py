@@ -4,6 +4,7 @@ import dataclasses
 import equinox as eqx
 import jax
 import numpy as np
+import optax
 import pytest
 
 from model import flops_per_token, init_gpt
@@ -63,6 +64,23 @@ def test_steps_per_call_equals_one_step_a_call():
     np.testing.assert_allclose(metrics3["loss"], losses, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)), jax.tree.leaves(eqx.filter(model3, eqx.is_array))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_clip_is_optax_clip_by_global_norm():
+    """The optimizer's clip (a scalar multiplier) gives the updates of optax.clip_by_global_norm in its place,
+    for gradients far above grad_clip and below it, and keeps its state layout (checkpoints stay readable)."""
+    cfg = tiny(adam_eps=1.0)  # a large eps: Adam's first update then depends on the size of the clipped gradients
+    s = train.setup(cfg, train.make_mesh(cfg))
+    params, table = eqx.filter(s.model, eqx.is_array), train.policy_table(s.model, cfg)
+    ours = train.make_optimizer(cfg, table)
+    optax_clip = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), train.scale_by_adam(cfg, table), train.scale_by_policy(cfg, table))
+    assert jax.tree.structure(ours.init(params)) == jax.tree.structure(optax_clip.init(params))
+    rng = np.random.default_rng(0)
+    for size in (100.0, 0.01):
+        grads = jax.tree.map(lambda p: size * rng.normal(size=p.shape).astype(np.float32) / np.sqrt(p.size), params)
+        a, b = (opt.update(grads, opt.init(params), params)[0] for opt in (ours, optax_clip))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-9)
 
 
 def test_lr_schedule_warmup_then_cosine():

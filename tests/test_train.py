@@ -77,7 +77,7 @@ def test_clip_is_optax_clip_by_global_norm():
     assert jax.tree.structure(ours.init(params)) == jax.tree.structure(optax_clip.init(params))
     rng = np.random.default_rng(0)
     for size in (100.0, 0.01):
-        grads = jax.tree.map(lambda p: size * rng.normal(size=p.shape).astype(np.float32) / np.sqrt(p.size), params)
+        grads = jax.tree.map(lambda p: (size / p.size**0.5 * rng.normal(size=p.shape)).astype(np.float32), params)
         a, b = (opt.update(grads, opt.init(params), params)[0] for opt in (ours, optax_clip))
         for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-9)

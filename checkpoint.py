@@ -37,6 +37,14 @@ def checkpoint_manager(rundir: epath.Path, cfg: Config, read_only: bool = False)
     return ocp.CheckpointManager(rundir / "checkpoints", options=options)
 
 
+def check_resume(rundir: epath.Path, cfg: Config) -> None:
+    """A run stops and saves only between calls of steps_per_call steps, so it resumes only with a K that
+    divides its latest checkpoint's step. launch.py asks before it writes anything in the run directory."""
+    steps = ocp.path.step.checkpoint_steps(rundir / "checkpoints") if (rundir / "checkpoints").exists() else []
+    if (latest := max(steps, default=0)) % (K := cfg.steps_per_call):
+        raise UsageError(f"the checkpoint is at step {latest}, not a multiple of steps_per_call={K}: resume with a divisor of it")
+
+
 @eqx.filter_jit
 def all_finite(tree) -> jax.Array:
     return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if eqx.is_array(x)]).all()

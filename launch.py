@@ -91,6 +91,9 @@ def open_rundir(args, cfg: Config) -> epath.Path:
                     was = f"{name}={saved[name]!r}" if name in saved else f"no {name}"
                     raise UsageError(f"{rundir} holds a run with {was}, this launch has {name}={new!r}: "
                                      f"resuming may change only {', '.join(configs.RESUMABLE)}")
+            import checkpoint  # here, not at the top: it loads jax, and a typo should not wait for that
+
+            checkpoint.check_resume(rundir, cfg)
             run = json.loads((rundir / "run.json").read_text()) if (rundir / "run.json").exists() else {}
             run["resumed"] = run.get("resumed", []) + [launch]
         rundir.mkdir(parents=True, exist_ok=True)

@@ -202,8 +202,8 @@ def positive_list(flag: str, text: str, kind: type) -> list:
         values = [kind(v) for v in text.split(",")]
     except ValueError:
         raise UsageError(f"{flag}={text} is not a comma-separated list of {kind.__name__}s") from None
-    if min(values) <= 0:
-        raise UsageError(f"{flag}={text}: every value must be positive")
+    if not all(0 < v < float("inf") for v in values):  # nan fails the test too
+        raise UsageError(f"{flag}={text}: every value must be positive and finite")
     return values
 
 

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import data
-from checkpoint import Logger, checkpoint_manager, one_line, restore_checkpoint, save_checkpoint, stop_signals
+from checkpoint import Logger, check_resume, checkpoint_manager, one_line, restore_checkpoint, save_checkpoint, stop_signals
 from configs import Config, RunError, UsageError
 from model import GPT, Policy, count_params, flops_per_token, init_gpt, partition_specs, policy_table
 import sample
@@ -266,11 +266,10 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
     model, opt_state, step_fn, _, _ = setup(cfg, mesh)
     with one_line(f"reading the checkpoints in {rundir}"):
+        check_resume(rundir, cfg)
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
         start = mngr.latest_step() or 0
         model, opt_state, saved = restore_checkpoint(mngr, model, opt_state) if start else (model, opt_state, None)
-    if start % (K := cfg.steps_per_call):
-        raise UsageError(f"the checkpoint is at step {start}, not a multiple of steps_per_call={K}: resume with a divisor of it")
     tally = Tally(cfg, saved)
     batch_sharding, batch_shape = NamedSharding(mesh, P(None, *BATCH_SPEC)), (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
     eval_sharding = NamedSharding(mesh, P(("replica", "fsdp"), None))
@@ -303,7 +302,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     tokens_per_s, t0, t0_step = None, None, start
     try:
         with stop_signals() as caught:
-            for step in range(start, cfg.max_steps, K):  # K steps a call (steps_per_call)
+            for step in range(start, cfg.max_steps, K := cfg.steps_per_call):  # K steps a call
                 if debug and step == min(start + 5 * K, cfg.max_steps - K):
                     jax.profiler.start_trace(str(rundir / "profile"))
                 done = step + K

@@ -121,8 +121,10 @@ def test_steps_per_call_changes_nothing_but_speed(straight, tmp_path, env):
     r = run(launch_args(rundir, f"--config.max_steps={STEPS // 2}", "--config.steps_per_call=2"), env)
     assert r.returncode == 0, r.stderr
     threes = [f"--config.{name}=3" for name in ("steps_per_call", "log_interval", "eval_interval", "ckpt_interval")]
+    before = {name: (rundir / name).read_text() for name in ("config.json", "run.json")}
     r = run(launch_args(rundir, "--config.max_steps=15", *threes), env)
     assert_one_line_error(r, f"the checkpoint is at step {STEPS // 2}, not a multiple of steps_per_call=3")
+    assert {name: (rundir / name).read_text() for name in before} == before  # refused before writing anything
     r = run(launch_args(rundir, f"--config.max_steps={STEPS}", "--config.steps_per_call=4"), env)
     assert r.returncode == 0, r.stderr
     got = records(rundir)

@@ -156,7 +156,9 @@ def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
 
 
 @pytest.mark.parametrize("args, error", [(["coord", "--widths=64,abc"], "--widths=64,abc is not a comma-separated list of ints"),
-                                         (["coord", "--depths=2,-4"], "--depths=2,-4: every value must be positive"),
+                                         (["coord", "--depths=2,-4"], "--depths=2,-4: every value must be positive and finite"),
+                                         (["transfer", "--lrs=1e-3,nan"], "--lrs=1e-3,nan: every value must be positive and finite"),
+                                         (["transfer", "--lrs=inf,1e-3"], "--lrs=inf,1e-3: every value must be positive and finite"),
                                          (["coord", "--seeds=0"], "--seeds=0 must be at least 1"),
                                          (["transfer", "--lrs=1e-3,fast"], "--lrs=1e-3,fast is not a comma-separated list of floats")])
 def test_bad_sweep_arguments_are_one_line_errors(tmp_path, args, error):

@@ -1,9 +1,8 @@
 """Train a GPT:  python launch.py --config=NAME [--rundir=DIR] [--debug] [--multihost] [--config.FIELD=VALUE ...]
 
-The config is configs/NAME.py with typed overrides from the command line; the run directory (default
-runs/NAME-TIMESTAMP, or gs://...) receives config.json, run.json (git commit, dirty tree, command),
-metrics.jsonl, tensorboard event files, checkpoints/ and, with --debug, a profiler trace of a few steps
-(and no checkpoints). Launching again with an existing --rundir resumes that run.
+The config is configs/NAME.py with typed overrides from the command line. The run directory (default
+runs/NAME-TIMESTAMP, or gs://...) gets config.json, run.json (git commit, dirty tree, command), metrics.jsonl,
+tensorboard events, checkpoints/ (--debug: a profile of a few steps instead); an existing --rundir is resumed.
 """
 import argparse
 import dataclasses
@@ -91,9 +90,8 @@ def open_rundir(args, cfg: Config) -> epath.Path:
                     was = f"{name}={saved[name]!r}" if name in saved else f"no {name}"
                     raise UsageError(f"{rundir} holds a run with {was}, this launch has {name}={new!r}: "
                                      f"resuming may change only {', '.join(configs.RESUMABLE)}")
-            import checkpoint  # here, not at the top: it loads jax, and a typo should not wait for that
-
-            checkpoint.check_resume(rundir, cfg)
+            import checkpoint  # not at the top: it loads jax, and a typo should not wait for that
+            checkpoint.check_resume(rundir, cfg)  # a resume that cannot go on changes nothing here
             run = json.loads((rundir / "run.json").read_text()) if (rundir / "run.json").exists() else {}
             run["resumed"] = run.get("resumed", []) + [launch]
         rundir.mkdir(parents=True, exist_ok=True)

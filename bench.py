@@ -3,9 +3,11 @@
 Builds the step with train.setup() (the code path training uses), compiles it, warms up, times N steps on
 random tokens and prints one JSON line. On a CPU, which has no datasheet peak, it also times a large
 matmul in the same process and reports the step's FLOP rate as a fraction of that measured peak.
---torch also times a straightforward eager PyTorch version of the same model in the same process.
+--torch also times a straightforward eager PyTorch version of the same model in the same process, in
+blocks that alternate with the JAX step's, and reports the medians.
 """
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -13,6 +15,8 @@ import time
 import configs
 import launch
 from configs import Config, UsageError
+
+TORCH_BLOCKS = 6  # with --torch: JAX and PyTorch timed in this many alternating blocks, medians reported
 
 
 def time_calls(step, state: tuple, batch: tuple, sharding, calls: int) -> tuple[float, tuple]:
@@ -42,9 +46,10 @@ def matmul_peak(dtype: str) -> float:
     return 10 * 2 * 2048**3 / (time.perf_counter() - t0)
 
 
-def torch_step_s(cfg: Config, steps: int) -> float:
-    """Seconds per step of the same model (RMSNorm, QK-LayerNorm, RoPE, GELU MLP, untied readout) and
-    optimizer (AdamW, clipping) written plainly in eager PyTorch, float32, on the CPU."""
+def torch_step(cfg: Config):
+    """One train step of the same model (RMSNorm, QK-LayerNorm, RoPE, GELU MLP, untied readout) and
+    optimizer (AdamW, clipping) written plainly in eager PyTorch, float32, on the CPU: a function that
+    runs a step, already warmed up."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -89,6 +94,10 @@ def torch_step_s(cfg: Config, steps: int) -> float:
 
     for _ in range(3):
         step()
+    return step
+
+
+def time_torch(step, steps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
@@ -112,8 +121,20 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
     sharding = NamedSharding(mesh, P(None, *train.BATCH_SPEC))
     first_s, state = time_calls(s.step, (s.model, s.opt_state), (x, y), sharding, 1)  # traces and compiles
     _, state = time_calls(s.step, state, (x, y), sharding, 2)  # warm up
-    call_s, _ = time_calls(s.step, state, (x, y), sharding, -(-steps // K))
-    step_s = call_s / K
+    calls = -(-steps // K)
+    if with_torch:  # alternating blocks, so that the machine's drift over the run hits both alike
+        torch_fn, blocks, jax_s, torch_s = torch_step(cfg), min(TORCH_BLOCKS, calls), [], []
+        for b in range(blocks):
+            n = calls // blocks + (b < calls % blocks)
+            _, state = time_calls(s.step, state, (x, y), sharding, 1)  # untimed, as is torch's first step:
+            call_s, state = time_calls(s.step, state, (x, y), sharding, n)  # the other's threads settle
+            jax_s.append(call_s / K)
+            torch_fn()
+            torch_s.append(time_torch(torch_fn, n * K))
+        step_s, torch_s = float(np.median(jax_s)), float(np.median(torch_s))
+    else:
+        call_s, _ = time_calls(s.step, state, (x, y), sharding, calls)
+        step_s = call_s / K
     device = jax.devices()[0]
     flops = model.flops_per_token(cfg)
     tokens_per_s = cfg.batch_size * cfg.block_size / step_s
@@ -124,7 +145,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
         "jax_version": jax.__version__, "tokens_per_s": round(tokens_per_s, 1), "step_ms": round(1e3 * step_s, 2),
         "flops_per_token": flops, "flops_formula": "6N + 12*L*D*T (PaLM app. B; N = block and readout weights)",
         "mfu": round(tokens_per_s * flops / (peak * jax.device_count()), 4) if peak else None,
-        "compile_s": round(first_s - call_s, 2), "peak_memory_bytes": memory.get("peak_bytes_in_use"),
+        "compile_s": round(first_s - K * step_s, 2), "peak_memory_bytes": memory.get("peak_bytes_in_use"),
         "compute_dtype": cfg.compute_dtype, "remat": cfg.remat, "scan_unroll": cfg.scan_unroll,
         "steps_per_call": K,
     }
@@ -132,7 +153,6 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
         measured = matmul_peak(cfg.compute_dtype)
         result |= {"matmul_peak_flops": round(measured), "fraction_of_matmul_peak": round(tokens_per_s * flops / measured, 4)}
     if with_torch:
-        torch_s = torch_step_s(cfg, steps)
         result |= {"torch_step_ms": round(1e3 * torch_s, 2), "step_over_torch": round(step_s / torch_s, 3)}
     return result
 
@@ -146,6 +166,8 @@ def main() -> None:
     try:
         if args.steps < 1:
             raise UsageError(f"--steps={args.steps} must be at least 1")
+        if args.torch and importlib.util.find_spec("torch") is None:
+            raise UsageError("--torch needs PyTorch, which is not installed: pip install torch")
         cfg = launch.apply_overrides(configs.load(args.config), overrides)
         cfg.split_cpu()  # after parsing, as launch.py: a typo should not wait for jax to load
         print(json.dumps({"name": args.config, **bench(cfg, args.steps, args.torch)}))

@@ -31,3 +31,13 @@ def test_bench_rejects_bad_input_in_one_line(arg, error):
     r = run(["bench.py", "--config=shakespeare_char_cpu", arg])
     assert r.returncode != 0 and r.stderr.strip().startswith(error)
     assert "Traceback" not in r.stderr
+
+
+def test_bench_torch_reports_both_step_times_and_their_ratio():
+    pytest.importorskip("torch")
+    r = run(["bench.py", "--config=shakespeare_char_cpu", "--steps=20", "--torch", "--config.n_layer=2",
+             "--config.d_model=32", "--config.n_head=2", "--config.block_size=16", "--config.batch_size=4"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["torch_step_ms"] > 0 and out["step_ms"] > 0
+    assert out["step_over_torch"] == pytest.approx(out["step_ms"] / out["torch_step_ms"], rel=0.01)

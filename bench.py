@@ -126,8 +126,9 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
         torch_fn, blocks, jax_s, torch_s = torch_step(cfg), min(TORCH_BLOCKS, calls), [], []
         for b in range(blocks):
             n = calls // blocks + (b < calls % blocks)
-            _, state = time_calls(s.step, state, (x, y), sharding, 1)  # untimed, as is torch's first step:
-            call_s, state = time_calls(s.step, state, (x, y), sharding, n)  # the other's threads settle
+            # one untimed call (and torch step) first, so that the other framework's threads settle
+            _, state = time_calls(s.step, state, (x, y), sharding, 1)
+            call_s, state = time_calls(s.step, state, (x, y), sharding, n)
             jax_s.append(call_s / K)
             torch_fn()
             torch_s.append(time_torch(torch_fn, n * K))

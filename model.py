@@ -108,7 +108,9 @@ class Attention(eqx.Module):
         """Queries, keys and values of one sequence; sample.py calls this to fill its KV cache."""
         D, _, H, K = self.qkv.shape
         qkv_T3HK = linear(x_TD, self.qkv.astype(self.dtype).reshape(D, 3 * H * K)).reshape(-1, 3, H, K)
-        q_THK, k_THK, v_THK = tap("q", qkv_T3HK[:, 0]), tap("k", qkv_T3HK[:, 1]), qkv_T3HK[:, 2]
+        # split: its gradient is one concatenate, not three indexings' padded copies summed (CPU step -0.5 ms)
+        q_THK, k_THK, v_THK = (a[:, 0] for a in jnp.split(qkv_T3HK, 3, axis=1))
+        q_THK, k_THK = tap("q", q_THK), tap("k", k_THK)
         q_THK = rope(layer_norm(q_THK, self.q_norm), pos_T, self.rope_base).astype(self.dtype)
         k_THK = rope(layer_norm(k_THK, self.k_norm), pos_T, self.rope_base).astype(self.dtype)
         return q_THK, k_THK, v_THK

@@ -89,11 +89,11 @@ def scale_by_adam(cfg: Config, table) -> optax.GradientTransformation:
 def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
     """Clip by global norm, Adam, LR and decay. The clip is optax.clip_by_global_norm (its state too) as a scalar
     multiplier, which XLA fuses into Adam's moment updates (optax's divide took a pass of its own, ~0.5 ms a CPU step)."""
-    def clip(grads, state, params=None):
-        scale = jnp.minimum(1.0, cfg.grad_clip / optax.tree.norm(grads))
-        return jax.tree.map(lambda g: g * scale, grads), state
+    def clip(grads, state, params=None, grad_norm=None):  # the step passes its norm: XLA cannot reuse it in a cond
+        norm = optax.tree.norm(grads) if grad_norm is None else grad_norm
+        return jax.tree.map(lambda g: g * jnp.minimum(1.0, cfg.grad_clip / norm), grads), state
 
-    return optax.chain(optax.GradientTransformation(lambda _: optax.EmptyState(), clip), scale_by_adam(cfg, table),
+    return optax.chain(optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), clip), scale_by_adam(cfg, table),
                        scale_by_policy(cfg, table))
 
 
@@ -148,7 +148,7 @@ def make_train_step(optimizer, static: GPT, mesh, model_sharding, opt_sharding, 
         # finite: Adam's is bounded, and Config.check rejects learning rates beyond float32. lax.cond, not
         # jnp.where, whose select reads and writes the whole state once more (~1.5 ms of a CPU step).
         def update():
-            updates, new_opt_state = optimizer.update(grads, opt_state, params)
+            updates, new_opt_state = optimizer.update(grads, opt_state, params, grad_norm=grad_norm)
             return eqx.apply_updates(params, updates), new_opt_state
 
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)

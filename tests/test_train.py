@@ -79,8 +79,11 @@ def test_clip_is_optax_clip_by_global_norm():
     for size in (100.0, 0.01):
         grads = jax.tree.map(lambda p: (size / p.size**0.5 * rng.normal(size=p.shape)).astype(np.float32), params)
         a, b = (opt.update(grads, opt.init(params), params)[0] for opt in (ours, optax_clip))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        # and as the step calls it, with the gradients' norm it has already taken
+        c = ours.update(grads, ours.init(params), params, grad_norm=optax.tree.norm(grads))[0]
+        for x, y, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), jax.tree.leaves(c)):
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-9)
+            np.testing.assert_allclose(z, y, rtol=1e-5, atol=1e-9)
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -3,7 +3,7 @@ stopping every process of a multi-host run when one of them fails; and the run's
 run trims back to its checkpoint.
 
 A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each process writes its own
-shards) and the host-side tally of train.py, so a resumed run continues exactly where the saved one was.
+shards) and the host-side Tally of the step metrics, so a resumed run continues exactly where the saved one was.
 """
 import contextlib
 import copy
@@ -19,6 +19,7 @@ import traceback
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -222,3 +223,36 @@ class Logger:
         if not self.local:
             self.rewrite()
         self.tb.close()
+
+
+class Tally:
+    """The step metrics on the host: fetched from the device only at log points and saves (a fetch waits), saved
+    with each checkpoint so a resumed run logs exactly what an uninterrupted one would; counts skipped steps."""
+
+    def __init__(self, cfg: Config, saved: dict | None = None):
+        self.cfg, self.on_device = cfg, []  # metrics of the steps not fetched yet
+        # since_log: fetched metrics of the steps after the last multiple of log_interval; streak: skipped in a row
+        self.state = saved or {"since_log": [], "streak": 0, "skipped": 0}
+
+    def fetch(self) -> None:
+        for call in jax.device_get(self.on_device):  # each call's metrics: (K,) arrays, an entry a step
+            for m in ({k: v[i].item() for k, v in call.items()} for i in range(len(call["loss"]))):
+                self.state["since_log"].append(m)
+                self.state["streak"] = self.state["streak"] + 1 if m["skipped"] else 0
+                self.state["skipped"] += m["skipped"]
+        self.on_device = []
+
+    def record(self, step: int) -> dict:
+        """Mean loss over the applied steps since the last log, the last grad norm, the skipped count."""
+        self.fetch()
+        steps = self.state["since_log"]
+        losses = [m["loss"] for m in steps if not m["skipped"]]
+        if step % self.cfg.log_interval == 0:  # an off-interval last step keeps them for a longer resumed run
+            self.state["since_log"] = []
+        return {"loss": float(np.mean(losses)) if losses else None, "grad_norm": steps[-1]["grad_norm"],
+                "skipped": self.state["skipped"]}
+
+    def check(self, step: int) -> None:
+        if self.state["streak"] >= self.cfg.max_nonfinite:
+            raise RunError(f"{self.state['streak']} steps in a row up to step {step} had a non-finite loss or "
+                           f"gradient and were skipped (max_nonfinite={self.cfg.max_nonfinite}): the run has diverged")

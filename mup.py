@@ -121,7 +121,7 @@ def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
     xy = [data.get_batch(train_tokens, cfg.seed, data.TRAIN, s, cfg.batch_size, T) for s in range(steps)]
     x_SGBT, y_SGBT = (np.stack([b[i].reshape(G, B, T) for b in xy]) for i in (0, 1))
     val = [data.get_batch(val_tokens, cfg.seed, data.EVAL_VAL, i, B, T) for i in range(cfg.eval_batches)]
-    x_EBT, y_EBT = (np.stack([b[i] for b in val]) for i in (0, 1))
+    x_EBT, y_EBT = (jnp.asarray(np.stack([b[i] for b in val])) for i in (0, 1))  # int32: no int64 into the loss VJP
     cfg = dataclasses.replace(cfg, max_steps=steps, warmup_steps=round(cfg.warmup_steps * steps / cfg.max_steps))
     mesh = train.make_mesh(cfg)
     gpt0 = train.setup(cfg, mesh).model  # the same initial model for every LR, drawn outside the compiled sweep

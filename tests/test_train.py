@@ -131,6 +131,26 @@ def test_flops_per_token_counts_gpt2_small():
     assert flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024
 
 
+@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True}, {"compute_dtype": "bfloat16"}])
+def test_loss_gradients_match_plain_autodiff(overrides):
+    """loss_fn takes the readout's and the loss's gradients in its forward pass (train.head_loss): the loss and
+    all gradients equal jax.grad of the loss written plainly, optax's cross-entropy of the model's logits;
+    in bfloat16 to its rounding, with each gradient in its parameter's dtype."""
+    cfg = tiny(**overrides)
+    gpt = init_gpt(cfg, jax.random.key(0))
+    if not cfg.tie_embeddings:  # the readout starts at zero, where no gradient reaches the blocks
+        gpt = eqx.tree_at(lambda m: m.emb.unembed, gpt, jax.random.normal(jax.random.key(1), gpt.emb.unembed.shape))
+    x_BT, y_BT = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8, 16))
+    plain = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(jax.vmap(m)(x), y).mean()
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(train.loss_fn))(gpt, x_BT, y_BT)
+    want_loss, want_grads = eqx.filter_jit(eqx.filter_value_and_grad(plain))(gpt, x_BT, y_BT)
+    tol = 1e-5 if cfg.compute_dtype == "float32" else 2e-2
+    np.testing.assert_allclose(loss, want_loss, rtol=tol)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        assert a.dtype == b.dtype == np.float32
+        assert np.linalg.norm(a - b) <= tol * np.linalg.norm(b) + 1e-12, (np.linalg.norm(a - b), np.linalg.norm(b))
+
+
 def test_chunked_loss_is_the_same_loss_in_less_memory():
     """loss_chunks=4 gives the whole batch's loss and gradients (to float32 rounding), and the compiled
     loss-and-gradient keeps less temporary memory than without chunks, by at least one whole batch of

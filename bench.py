@@ -1,16 +1,21 @@
-"""Time the real train step:  python bench.py --config=NAME [--config.FIELD=VALUE ...] [--steps=N] [--torch]
+"""Time the real train step:  python bench.py --config=NAME [--config.FIELD=VALUE ...] [--steps=N] [--torch] [--trace=DIR]
 
 Builds the step with train.setup() (the code path training uses), compiles it, warms up, times N steps on
 random tokens and prints one JSON line. On a CPU, which has no datasheet peak, it also times a large
 matmul in the same process and reports the step's FLOP rate as a fraction of that measured peak.
 --torch also times a straightforward eager PyTorch version of the same model in the same process, in
-blocks that alternate with the JAX step's, and reports the medians.
+blocks that alternate with the JAX step's, and reports the medians. --trace=DIR also traces 3 calls with
+jax.profiler into DIR (tensorboard's profile tab, ui.perfetto.dev) and prints to stderr where the time went.
 """
 import argparse
+import collections
+import gzip
 import importlib.util
 import json
+import re
 import sys
 import time
+from pathlib import Path
 
 import configs
 import launch
@@ -29,6 +34,26 @@ def time_calls(step, state: tuple, batch: tuple, sharding, calls: int) -> tuple[
         *state, metrics = step(*state, *jax.device_put(batch, sharding))
     jax.block_until_ready(metrics)
     return (time.perf_counter() - t0) / calls, tuple(state)
+
+
+def trace_ops(step, state: tuple, batch: tuple, sharding, steps_per_call: int, trace_dir: str, top: int = 25) -> dict:
+    """Trace 3 calls with jax.profiler and sum, per op name, the time XLA's ops took: on a GPU or TPU the
+    device's kernels, on a CPU the XLA:CPU thunks (all devices together). Milliseconds a step, largest first."""
+    import jax
+
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    time_calls(step, state, batch, sharding, 3)
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda f: f.stat().st_mtime)))
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    on_device = any("/device:" in name for name in process.values())
+    total = collections.Counter()
+    for e in events:
+        if e.get("ph") == "X" and (("/device:" in process.get(e["pid"], "")) if on_device else "hlo_op" in e.get("args", {})):
+            if not re.match(r"(while|conditional|call)(\.\d+)?$", e["name"]):  # loops contain the ops counted
+                total[e["name"]] += e["dur"] / 1e3 / (3 * steps_per_call)
+    return dict(total.most_common(top))
 
 
 def matmul_peak(dtype: str) -> float:
@@ -104,7 +129,7 @@ def time_torch(step, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
+def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | None = None) -> dict:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -134,8 +159,12 @@ def bench(cfg: Config, steps: int, with_torch: bool = False) -> dict:
             torch_s.append(time_torch(torch_fn, n * K))
         step_s, torch_s = float(np.median(jax_s)), float(np.median(torch_s))
     else:
-        call_s, _ = time_calls(s.step, state, (x, y), sharding, calls)
+        call_s, state = time_calls(s.step, state, (x, y), sharding, calls)
         step_s = call_s / K
+    if trace_dir:
+        ops = trace_ops(s.step, state, (x, y), sharding, K, trace_dir)
+        print(f"ms a step in the ops that took the most, traced into {trace_dir}:", file=sys.stderr)
+        print("\n".join(f"{ms:9.3f}  {name}" for name, ms in ops.items()), file=sys.stderr)
     device = jax.devices()[0]
     flops = model.flops_per_token(cfg)
     tokens_per_s = cfg.batch_size * cfg.block_size / step_s
@@ -163,6 +192,7 @@ def main() -> None:
     ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
     ap.add_argument("--steps", type=int, default=20, help="timed steps after compile and warmup (whole calls)")
     ap.add_argument("--torch", action="store_true", help="also time an eager PyTorch version (needs torch)")
+    ap.add_argument("--trace", metavar="DIR", help="also trace 3 calls into DIR; print the costliest ops to stderr")
     args, overrides = ap.parse_known_args()
     try:
         if args.steps < 1:
@@ -171,7 +201,7 @@ def main() -> None:
             raise UsageError("--torch needs PyTorch, which is not installed: pip install torch")
         cfg = launch.apply_overrides(configs.load(args.config), overrides)
         cfg.split_cpu()  # after parsing, as launch.py: a typo should not wait for jax to load
-        print(json.dumps({"name": args.config, **bench(cfg, args.steps, args.torch)}))
+        print(json.dumps({"name": args.config, **bench(cfg, args.steps, args.torch, args.trace)}))
     except UsageError as e:
         sys.exit(f"error: {e}")
 

@@ -1,18 +1,20 @@
 """bench.py prints one valid JSON line with every field, for a tiny config."""
 import json
+import re
 
 import pytest
 
 from conftest import run
 
+TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
+        "--config.block_size=16", "--config.batch_size=4"]
 FIELDS = {"name", "device_kind", "device_count", "jax_version", "tokens_per_s", "step_ms", "flops_per_token",
           "flops_formula", "mfu", "compile_s", "peak_memory_bytes", "compute_dtype", "remat", "scan_unroll",
           "steps_per_call", "matmul_peak_flops", "fraction_of_matmul_peak"}
 
 
 def test_bench_prints_one_json_line_with_every_field():
-    r = run(["bench.py", "--config=shakespeare_char_cpu", "--steps=3", "--config.n_layer=2", "--config.d_model=32",
-             "--config.n_head=2", "--config.block_size=16", "--config.batch_size=4"])
+    r = run(["bench.py", "--steps=3", *TINY])
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -35,9 +37,24 @@ def test_bench_rejects_bad_input_in_one_line(arg, error):
 
 def test_bench_torch_reports_both_step_times_and_their_ratio():
     pytest.importorskip("torch")
-    r = run(["bench.py", "--config=shakespeare_char_cpu", "--steps=20", "--torch", "--config.n_layer=2",
-             "--config.d_model=32", "--config.n_head=2", "--config.block_size=16", "--config.batch_size=4"])
+    r = run(["bench.py", "--steps=20", "--torch", *TINY])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["torch_step_ms"] > 0 and out["step_ms"] > 0
     assert out["step_over_torch"] == pytest.approx(out["step_ms"] / out["torch_step_ms"], rel=0.01)
+
+
+@pytest.mark.parametrize("devices", [2, 1])
+def test_bench_trace_prints_the_costliest_ops(tmp_path, devices):
+    """--trace writes a profile (tensorboard's xplane, perfetto's json) and prints to stderr the XLA ops that took
+    the most time, largest first; stdout stays one JSON line. Two devices training data-parallel sum their
+    gradients in an all-reduce, which must be among the ops; one device has none."""
+    r = run(["bench.py", "--steps=5", *TINY, f"--config.cpu_devices={devices}", f"--config.mesh_replica={devices}",
+             f"--trace={tmp_path}"])
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip().splitlines()) == 1 and json.loads(r.stdout)["device_count"] == devices
+    ops = [(float(ms), name) for ms, name in re.findall(r"^ +(\d+\.\d+)  (\S+)$", r.stderr, re.M)]
+    assert ops and all(re.fullmatch(r"[a-z][\w-]*(\.\d+)?", name) for _, name in ops), r.stderr
+    assert [ms for ms, _ in ops] == sorted((ms for ms, _ in ops), reverse=True) and ops[-1][0] >= 0
+    assert any(name.startswith("all-reduce") for _, name in ops) == (devices == 2)
+    assert list(tmp_path.rglob("*.xplane.pb")) and list(tmp_path.rglob("*.trace.json.gz"))

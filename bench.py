@@ -200,6 +200,11 @@ def main() -> None:
         if args.torch and importlib.util.find_spec("torch") is None:
             raise UsageError("--torch needs PyTorch, which is not installed: pip install torch")
         cfg = launch.apply_overrides(configs.load(args.config), overrides)
+        if args.trace:
+            try:
+                Path(args.trace).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
         cfg.split_cpu()  # after parsing, as launch.py: a typo should not wait for jax to load
         print(json.dumps({"name": args.config, **bench(cfg, args.steps, args.torch, args.trace)}))
     except UsageError as e:

@@ -28,7 +28,8 @@ def test_bench_prints_one_json_line_with_every_field():
 
 
 @pytest.mark.parametrize("arg, error", [("--config.n_head=3", "error: d_model=128 is not divisible by n_head=3"),
-                                        ("--steps=0", "error: --steps=0 must be at least 1")])
+                                        ("--steps=0", "error: --steps=0 must be at least 1"),
+                                        ("--trace=/proc/mugpt", "error: cannot write --trace=/proc/mugpt")])
 def test_bench_rejects_bad_input_in_one_line(arg, error):
     r = run(["bench.py", "--config=shakespeare_char_cpu", arg])
     assert r.returncode != 0 and r.stderr.strip().startswith(error)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import configs
 import launch
-from configs import Config, UsageError
+from configs import Config, RunError, UsageError
 
 TORCH_BLOCKS = 6  # with --torch: JAX and PyTorch timed in this many alternating blocks, medians reported
 
@@ -206,8 +206,10 @@ def main() -> None:
             except OSError as e:
                 raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
         cfg.split_cpu()  # after parsing, as launch.py: a typo should not wait for jax to load
-        print(json.dumps({"name": args.config, **bench(cfg, args.steps, args.torch, args.trace)}))
-    except UsageError as e:
+        import train
+
+        print(json.dumps({"name": args.config, **train.explain_out_of_memory(bench)(cfg, args.steps, args.torch, args.trace)}))
+    except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 import data
 from checkpoint import (Logger, Tally, check_resume, checkpoint_manager, one_line, restore_checkpoint, save_checkpoint,
                         stop_signals)
-from configs import Config, UsageError
+from configs import Config, RunError, UsageError
 from model import GPT, Policy, count_params, flops_per_token, init_gpt, partition_specs, policy_table
 import sample
 
@@ -242,6 +242,23 @@ def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     return Setup(model, opt_state, step, model_sharding, opt_sharding)
 
 
+def explain_out_of_memory(fn: Callable) -> Callable:
+    """fn, with XLA's out-of-memory error (a RESOURCE_EXHAUSTED traceback from inside JAX) turned into a RunError,
+    one line that says what to change."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            raise RunError(f"out of memory ({str(e).splitlines()[0]}): make microbatches smaller (a larger "
+                           "--config.grad_accum), recompute more (--config.remat=save_dots or full) or chunk the loss "
+                           "(--config.loss_chunks)") from None
+    return wrapped
+
+
+@explain_out_of_memory
 def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, float] | None:
     """Train from the latest checkpoint in rundir, or from scratch; returns the last evaluation (None if
     a signal stopped the run or nothing was left to do). With debug nothing is saved, only profiled."""

@@ -29,7 +29,8 @@ def test_bench_prints_one_json_line_with_every_field():
 
 @pytest.mark.parametrize("arg, error", [("--config.n_head=3", "error: d_model=128 is not divisible by n_head=3"),
                                         ("--steps=0", "error: --steps=0 must be at least 1"),
-                                        ("--trace=/proc/mugpt", "error: cannot write --trace=/proc/mugpt")])
+                                        ("--trace=/proc/mugpt", "error: cannot write --trace=/proc/mugpt"),
+                                        ("--config.mlp_ratio=600000000000", "error: out of memory (RESOURCE_EXHAUSTED")])
 def test_bench_rejects_bad_input_in_one_line(arg, error):
     r = run(["bench.py", "--config=shakespeare_char_cpu", arg])
     assert r.returncode != 0 and r.stderr.strip().startswith(error)
@@ -42,7 +43,8 @@ def test_bench_torch_reports_both_step_times_and_their_ratio():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["torch_step_ms"] > 0 and out["step_ms"] > 0
-    assert out["step_over_torch"] == pytest.approx(out["step_ms"] / out["torch_step_ms"], rel=0.01)
+    # bench.py rounds the ratio to 3 decimals: under load a tiny model's ratio can be ~0.04, where that is >1%
+    assert out["step_over_torch"] == pytest.approx(out["step_ms"] / out["torch_step_ms"], rel=0.01, abs=6e-4)
 
 
 @pytest.mark.parametrize("devices", [2, 1])

@@ -66,6 +66,16 @@ def test_bad_input_is_one_line_without_traceback(shakespeare, tmp_path, args, me
     assert not (tmp_path / "run").exists()  # nothing was written
 
 
+def test_out_of_memory_is_one_line_naming_the_fix(shakespeare, tmp_path):
+    """A model that cannot fit stops with one line that says what to change, not JAX's traceback. Its MLP weights
+    (157 PB) are past any x86-64 address space, so the allocator refuses them at once whatever the machine."""
+    r = run(["launch.py", "--config=shakespeare_char_cpu", "--config.mlp_ratio=600000000000", f"--rundir={tmp_path}/run"])
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: out of memory (RESOURCE_EXHAUSTED"), r.stderr
+    assert "--config.grad_accum" in lines[0] and "--config.remat" in lines[0]
+
+
 def test_existing_run_with_another_config_is_not_overwritten(shakespeare, tmp_path):
     rundir = tmp_path / "run"
     rundir.mkdir()

@@ -183,7 +183,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
         measured = matmul_peak(cfg.compute_dtype)
         result |= {"matmul_peak_flops": round(measured), "fraction_of_matmul_peak": round(tokens_per_s * flops / measured, 4)}
     if with_torch:
-        result |= {"torch_step_ms": round(1e3 * torch_s, 2), "step_over_torch": round(step_s / torch_s, 3)}
+        result |= {"torch_step_ms": round(1e3 * torch_s, 2), "step_over_torch": float(f"{step_s / torch_s:.4g}")}
     return result
 
 

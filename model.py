@@ -16,12 +16,12 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+import kernels
 from configs import Config
 
 
-# Activation taps for mup.py's coordinate check: tap(name, x) returns x, and while mup.py records it
-# also hands x to the functions in TAPS (at trace time: mup.py's recorder sends mean |x| to the host
-# with an ordered jax.debug.callback). With TAPS empty, the forward is unchanged.
+# Activation taps for mup.py's coordinate check: tap(name, x) returns x and hands it, at trace time, to the
+# functions in TAPS (mup.py's sends mean |x| to the host by jax.debug.callback). Empty: nothing changes.
 TAPS: list[Callable[[str, Array], None]] = []
 
 
@@ -33,11 +33,9 @@ def tap(name: str, x: Array) -> Array:
 
 @jax.custom_batching.custom_vmap
 def linear(x_TD: Array, w_DF: Array) -> Array:
-    """x @ w. Under jax.vmap (the batch added in train.py) the batch is merged into the rows first, so
-    the weight gradient is one 2-D matmul: XLA:CPU otherwise transposes the (B, T, F) cotangent before
-    contracting over B and T, which cost a third of a CPU train step. On GPU/TPU the reshape is free.
-    Differentiate it under jax.vmap, as train.py does: custom_vmap has no reverse-mode rule of its own,
-    so jax.grad of an unbatched call fails (wrap a single sequence in a batch of one)."""
+    """x @ w. Under jax.vmap (train.py's batch) the batch is merged into the rows first, so the weight
+    gradient is one 2-D matmul: XLA:CPU transposed the (B, T, F) cotangent first (a third of a CPU step).
+    custom_vmap has no reverse-mode rule: differentiate under jax.vmap (a batch of one), as train.py does."""
     return x_TD @ w_DF
 
 
@@ -63,27 +61,28 @@ def layer_norm(x_THK: Array, gain_K: Array) -> Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * gain_K
 
 
+def rope_tables(pos_T: Array, K: int, base: float) -> tuple[Array, Array]:
+    """cos, sin (T, K/2) of RoPE's angles. Training's positions are numpy (GPT.hidden), so these are constants:
+    traced, XLA:CPU recomputed them in every fusion (~6% of a CPU step). sample.py's are traced: jnp then."""
+    xp = np if isinstance(pos_T, np.ndarray) else jnp
+    angle_TK2 = pos_T.astype(np.float32)[:, None] * base ** (-xp.arange(K // 2, dtype=np.float32) / (K // 2))
+    return xp.cos(angle_TK2), xp.sin(angle_TK2)
+
+
 def rope(x_THK: Array, pos_T: Array, base: float) -> Array:
     """Rotary position embedding (Su et al. 2021), rotate-half form: dims i and i + K/2 form a pair
     rotated by angle pos * base^(-2i/K), so q.k depends on the positions' difference only."""
     half = x_THK.shape[-1] // 2
-    # Training's positions are numpy (GPT.hidden): the tables are then numpy constants in the program.
-    # Traced, XLA:CPU recomputed cos and sin inside every fusion that used them (~6% of a CPU step).
-    # sample.py's decoding positions are traced: jnp then.
-    xp = np if isinstance(pos_T, np.ndarray) else jnp
-    freq_K2 = base ** (-xp.arange(half, dtype=np.float32) / half)
-    angle_TK2 = pos_T.astype(np.float32)[:, None] * freq_K2
-    cos_T1K, sin_T1K = xp.cos(angle_TK2)[:, None], xp.sin(angle_TK2)[:, None]
+    cos_T1K, sin_T1K = (table[:, None] for table in rope_tables(pos_T, x_THK.shape[-1], base))
     x1, x2 = x_THK[..., :half], x_THK[..., half:]
     return jnp.concatenate([x1 * cos_T1K - x2 * sin_T1K, x2 * cos_T1K + x1 * sin_T1K], axis=-1)
 
 
 def attend(q_THK: Array, k_SHK: Array, v_SHK: Array, scale: float, impl: str | None = None,
            mask_TS: Array | None = None) -> Array:
-    """softmax(q.k * scale) v over the keys mask_TS allows (None: causal, query t sees keys s <= t).
-    jax.nn.dot_product_attention where impl names a fused kernel (cuDNN flash attention on GPU);
-    elsewhere the same math written out, softmax in float32: jax's own XLA version vmaps over a
-    query-group axis of size 1 whose softmax backward XLA:CPU runs ~10x slower (1.2 of 3 ms a layer)."""
+    """softmax(q.k * scale) v over the keys mask_TS allows (None: causal). jax.nn.dot_product_attention where
+    impl names a fused kernel (cuDNN flash attention on GPU); else written out, softmax in float32: jax's XLA
+    version vmaps over a query-group axis of size 1 whose softmax backward XLA:CPU ran ~10x slower."""
     if impl is not None:
         return jax.nn.dot_product_attention(q_THK, k_SHK, v_SHK, scale=scale, mask=mask_TS,
                                             is_causal=mask_TS is None, implementation=impl)
@@ -107,7 +106,11 @@ class Attention(eqx.Module):
     def project(self, x_TD: Array, pos_T: Array) -> tuple[Array, Array, Array]:
         """Queries, keys and values of one sequence; sample.py calls this to fill its KV cache."""
         D, _, H, K = self.qkv.shape
-        qkv_T3HK = linear(x_TD, self.qkv.astype(self.dtype).reshape(D, 3 * H * K)).reshape(-1, 3, H, K)
+        qkv_TC = linear(x_TD, self.qkv.astype(self.dtype).reshape(D, 3 * H * K))
+        if isinstance(pos_T, np.ndarray) and not TAPS and kernels.applies(len(pos_T), K):
+            # on one GPU: the same math as below in one Triton kernel each way (kernels.py: -8% of a 124M step)
+            return kernels.qk_norm_rope(qkv_TC, self.q_norm, self.k_norm, *rope_tables(pos_T, K, self.rope_base), H)
+        qkv_T3HK = qkv_TC.reshape(-1, 3, H, K)
         # split: its gradient is one concatenate, not three indexings' padded copies summed (CPU step -0.5 ms)
         q_THK, k_THK, v_THK = (a[:, 0] for a in jnp.split(qkv_T3HK, 3, axis=1))
         q_THK, k_THK = tap("q", q_THK), tap("k", k_THK)
@@ -131,9 +134,10 @@ class MLP(eqx.Module):
     up: Float[Array, "D F"]
     down: Float[Array, "F D"]
     dtype: str = eqx.field(static=True)
+    act: Callable[[Array], Array] = eqx.field(static=True)  # GELU: jax.nn.gelu, or kernels.gelu (gpt_skeleton)
 
     def __call__(self, x_TD: Array) -> Array:
-        h_TF = tap("mlp_hidden", jax.nn.gelu(linear(x_TD, self.up.astype(self.dtype))))
+        h_TF = tap("mlp_hidden", self.act(linear(x_TD, self.up.astype(self.dtype))))
         return tap("mlp_out", linear(h_TF, self.down.astype(self.dtype)))
 
 
@@ -161,8 +165,7 @@ class Embeddings(eqx.Module):
 REMAT_POLICIES = {  # what the backward pass may keep instead of recomputing, per block
     # "none": no jax.checkpoint at all, keep everything: fastest, most memory
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
-    # keep weight matmul outputs, recompute attention scores and elementwise ops
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls' outputs only
 }
 
 
@@ -228,7 +231,8 @@ def gpt_skeleton(cfg: Config) -> GPT:
     def block(_):
         attn = Attention(jnp.zeros((D, 3, H, K)), jnp.zeros((H, K, D)), jnp.ones(K), jnp.ones(K),
                          scale=cfg.attn_scale, rope_base=cfg.rope_base, dtype=dt, impl=impl)
-        mlp = MLP(jnp.zeros((D, F)), jnp.zeros((F, D)), dtype=dt)
+        act = kernels.gelu if impl == "cudnn" and cfg.scan_unroll >= cfg.n_layer else jax.nn.gelu
+        mlp = MLP(jnp.zeros((D, F)), jnp.zeros((F, D)), dtype=dt, act=act)
         return Block(gain(D), attn, gain(D), mlp, branch_mult=1 / cfg.depth_mult)
 
     emb = Embeddings(jnp.zeros((V, D)), jnp.zeros((V, D)))
@@ -240,8 +244,7 @@ def gpt_skeleton(cfg: Config) -> GPT:
 
 @functools.partial(jax.jit, static_argnums=1)
 def draw(key: Array, specs: tuple) -> list[Array]:
-    """mean + std * N(0, 1) for each (shape, mean, std), cut from one normal draw: a draw per shape, or
-    eager ones, would each compile (a second or more at startup on a CPU)."""
+    """mean + std * N(0, 1) for each (shape, mean, std), cut from one draw: one per shape would each compile."""
     sizes = [math.prod(shape) for shape, _, _ in specs]
     z = jax.random.normal(key, (sum(sizes),))
     pieces = jnp.split(z, list(itertools.accumulate(sizes))[:-1])
@@ -278,8 +281,7 @@ def policy_rows(cfg: Config) -> dict[str, Policy]:
     carry the readout's 1/m and those inside blocks also the branch scale 1/d, so eps is scaled down
     by the same ([CP], [nGm] completep: adam_eps / (m_N * m_L)). Forward multipliers are static fields
     of the model (init_gpt). Sharding: FSDP on the D axis of every matrix (1-D gains stay replicated)."""
-    D, F = cfg.d_model, cfg.mlp_width
-    m, d = cfg.width_mult, cfg.depth_mult
+    D, F, m, d = cfg.d_model, cfg.mlp_width, cfg.width_mult, cfg.depth_mult
     gain = dict(init_mean=1.0, eps_mult=1 / (m * d))  # vector-like inside blocks: LR lr, no decay [TP5, CP]
     return {
         # name: Policy(init std, LR multiplier, decayed, spec of one layer, Adam eps multiplier)
@@ -297,8 +299,7 @@ def policy_rows(cfg: Config) -> dict[str, Policy]:
         # QK-LayerNorm gains: K entries at every width, LR lr, no decay [muT; Wortsman et al. 2023]
         "blocks.attn.q_norm": Policy(0.0, 1.0, False, (None,), **gain),
         "blocks.attn.k_norm": Policy(0.0, 1.0, False, (None,), **gain),
-        # RMSNorm gains, only with cfg.norm_gain: vector-like, LR lr [TP5]; off by default, they break
-        # transfer [muT: Lingle 2024]
+        # RMSNorm gains, only with cfg.norm_gain: vector-like, LR lr [TP5]; off by default: they break transfer [muT]
         "blocks.attn_norm": Policy(0.0, 1.0, False, (None,), **gain),
         "blocks.mlp_norm": Policy(0.0, 1.0, False, (None,), **gain),
         # the final RMSNorm's gain: outside the blocks, so no branch scale in its gradient
@@ -318,10 +319,9 @@ def param_name(path) -> str:
 
 def policy_table(model: GPT, cfg: Config):
     """A pytree like the model's arrays with each parameter's Policy; every parameter needs a row."""
-    rows = policy_rows(cfg)
-    params = eqx.filter(model, is_param)
-    named = jax.tree_util.tree_flatten_with_path(params)[0]
-    missing = [param_name(path) for path, _ in named if param_name(path) not in rows]
+    rows, params = policy_rows(cfg), eqx.filter(model, is_param)
+    missing = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+               if param_name(path) not in rows]
     assert not missing, f"parameters without a row in policy_rows: {missing}"
 
     def row(path, x):

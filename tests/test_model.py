@@ -184,3 +184,41 @@ def test_attention_implementations_match_a_naive_reference():
             out = M.attend(bf(q[b]), bf(k[b]), bf(v[b]), 1 / math.sqrt(8), impl="cudnn")
             np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2)
     assert M.attention_impl(tiny(compute_dtype="float32")) is None  # cuDNN needs bf16: never chosen for fp32
+
+
+@pytest.mark.parametrize("remat,unroll", [("none", 2), ("save_dots", 1)])
+def test_fused_qk_norm_rope_kernel_matches_the_xla_path(monkeypatch, remat, unroll):
+    """kernels.qk_norm_rope (the GPU path, here in Pallas's interpreter, 8-token blocks so a sequence
+    spans two) in the whole model: the forward against the numpy reference, and every gradient (the
+    kernel's is written by hand) against autodiff of model.py's own layer_norm and rope, with the remat
+    and scan the XL config uses."""
+    import kernels
+    import train
+    cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll)
+    gpt = random_gpt(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    y = jnp.roll(tokens, -1, axis=1)
+    # not jitted: a jitted function (equinox's cache too) would reuse its first trace, the XLA path's
+    loss_grad = lambda: eqx.filter_value_and_grad(train.loss_fn)(gpt, tokens, y)
+    want_loss, want = loss_grad()
+    monkeypatch.setattr(kernels, "ROWS", 8)
+    monkeypatch.setattr(kernels, "applies", lambda T, K: True)
+    np.testing.assert_allclose(gpt(np.asarray(tokens[0])), numpy_forward(gpt, cfg, np.asarray(tokens[0])),
+                               rtol=1e-4, atol=1e-4)
+    got_loss, got = loss_grad()
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    named = lambda g: jax.tree_util.tree_flatten_with_path(eqx.filter(g, eqx.is_array))[0]
+    for (path, a), (_, b) in zip(named(want), named(got), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=M.param_name(path))
+
+
+def test_gelu_with_recomputing_backward_has_gelus_derivative():
+    """kernels.gelu's custom backward against the tanh-form GELU's derivative written out by hand."""
+    import kernels
+    x = np.linspace(-4, 4, 101)
+    c = math.sqrt(2 / math.pi)
+    t = np.tanh(c * (x + 0.044715 * x**3))  # in float64; float32's tanh saturates near -5
+    want = 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * c * (1 + 3 * 0.044715 * x**2)
+    x = x.astype(np.float32)
+    np.testing.assert_allclose(kernels.gelu(x), jax.nn.gelu(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(kernels.gelu(x)))(x), want, rtol=1e-4, atol=1e-5)

@@ -4,7 +4,7 @@ muP with its base here (d_base=768, depth_base=12, the defaults): the same model
 base whose learning rate wider and deeper configs (openwebtext_xl) reuse.
 Speed (one H100, BENCHMARKS.md): the 12 layers unrolled (no loop: XLA:GPU's scan kept every saved activation
 in a zero-filled stacked buffer, copied in and out: 86 -> 73 ms a 32-sequence microbatch), saving the matmul
-outputs only (the elementwise ops are recomputed: they were saved in float32); 43 GB at 64 sequences."""
+outputs only (the elementwise ops are recomputed: they were saved in float32); 39 GB at 64 sequences."""
 from configs import Config
 
 config = Config(grad_accum=8, param="mup", remat="save_dots", scan_unroll=12)

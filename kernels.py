@@ -35,13 +35,17 @@ def _halves(ref):
     return ref[:, :half].astype(jnp.float32), ref[:, half:].astype(jnp.float32)
 
 
+def _row_mean(a1, a2):
+    """The mean over each row of a block held as its two halves."""
+    return (jnp.sum(a1, 1, keepdims=True) + jnp.sum(a2, 1, keepdims=True)) / (a1.shape[1] + a2.shape[1])
+
+
 def _normalized(x_ref):
     """(x - mean) / sqrt(var + eps) over each row (one token's head), as two halves, and 1 / sqrt(var + eps)."""
     x1, x2 = _halves(x_ref)
-    mean = (jnp.sum(x1, 1, keepdims=True) + jnp.sum(x2, 1, keepdims=True)) / x_ref.shape[1]
+    mean = _row_mean(x1, x2)
     x1, x2 = x1 - mean, x2 - mean
-    var = (jnp.sum(x1 * x1, 1, keepdims=True) + jnp.sum(x2 * x2, 1, keepdims=True)) / x_ref.shape[1]
-    r = jax.lax.rsqrt(var + EPS)
+    r = jax.lax.rsqrt(_row_mean(x1 * x1, x2 * x2) + EPS)
     return x1 * r, x2 * r, r
 
 
@@ -75,8 +79,7 @@ def _bwd_kernel(x_ref, g_ref, cos_ref, sin_ref, dq_ref, dk_ref, dv_ref, dx_ref, 
         _store(dg_ref, jnp.sum(da1 * n1, 0, keepdims=True), jnp.sum(da2 * n2, 0, keepdims=True))
         dn1, dn2 = da1 * g1, da2 * g2
         # LayerNorm's backward: dx = r * (dn - mean(dn) - n * mean(dn * n)) over the row
-        mean_dn = (jnp.sum(dn1, 1, keepdims=True) + jnp.sum(dn2, 1, keepdims=True)) / x_ref.shape[1]
-        mean_dnn = (jnp.sum(dn1 * n1, 1, keepdims=True) + jnp.sum(dn2 * n2, 1, keepdims=True)) / x_ref.shape[1]
+        mean_dn, mean_dnn = _row_mean(dn1, dn2), _row_mean(dn1 * n1, dn2 * n2)
         _store(dx_ref, r * (dn1 - mean_dn - n1 * mean_dnn), r * (dn2 - mean_dn - n2 * mean_dnn))
 
     pl.when(group == 0)(lambda: norm_rope_grad(dq_ref))  # a ref is read only where a branch reads it
@@ -106,7 +109,7 @@ def qk_norm_rope(qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2, H: int):
 
 
 def _forward(qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2, H):
-    (T, C), K = qkv_TC.shape, qkv_TC.shape[1] // (3 * H)
+    T, K = qkv_TC.shape[0], qkv_TC.shape[1] // (3 * H)
     table, gain = _shared(K)
     out = jax.ShapeDtypeStruct((T, H * K), qkv_TC.dtype)
     q, k, v = pl.pallas_call(

@@ -97,25 +97,26 @@ def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
                        scale_by_policy(cfg, table))
 
 
-def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, chunks: int = 1) -> jax.Array:
-    """Mean next-token cross-entropy in float32; the batch is added by vmap. The readout and loss take their
-    gradients in the forward pass (head_loss), so the float32 (B, T, V) logits are not kept for the backward
-    (GPT-2 on an H100: 73 -> 71 ms a step); chunks > 1 keeps them from existing whole (64 x 1024: 13 GB)."""
+def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, chunks: int = 1, parts: int = 1) -> jax.Array:
+    """Mean next-token cross-entropy in float32 over parts (a step's microbatches x replicas); batch added by vmap.
+    The readout and loss take their gradients in the forward pass (head_loss): the float32 (B, T, V) logits are not kept
+    for the backward (124M, H100: 73 -> 71 ms a step); chunks > 1 keeps them from existing whole (64 x 1024: 13 GB)."""
     head = eqx.tree_at(lambda m: m.blocks, model, None)  # what model.logits reads: final norm, readout
-    return head_loss((head, jax.vmap(model.hidden)(x_BT)), y_BT, chunks) / y_BT.size
+    return head_loss((head, jax.vmap(model.hidden)(x_BT)), y_BT, chunks, 1 / (y_BT.size * parts))
 
 
-def head_loss_and_grads(head_and_h: tuple[GPT, jax.Array], y_BT: jax.Array, chunks: int):
-    """The summed loss of head.logits(h) and its gradients, for sequences c, c + chunks, ... at a time (each
-    chunk spread over the devices); d loss / d logits = softmax - onehot. Its loss alone: XLA drops the rest.
-    The idea of Liger Kernel's fused linear cross-entropy (Hsu et al. 2024, arXiv 2410.10989), in plain JAX."""
+def head_loss_and_grads(head_and_h: tuple[GPT, jax.Array], y_BT: jax.Array, chunks: int, scale: float):
+    """scale times the summed loss of head.logits(h), and its gradients, for sequences c, c + chunks, ... at a time
+    (each chunk spread over the devices); d loss / d logits = scale (softmax - onehot). Its loss alone: XLA drops the
+    rest. scale (the mean's divisor) is applied in this forward so training's cotangent is 1: no backward pass over
+    (B, T, D) to multiply (CPU step -0.5 to -1.3 ms). Liger Kernel's fused linear cross-entropy (arXiv 2410.10989)."""
     (params, static), h_BTD = eqx.partition(head_and_h[0], eqx.is_array), head_and_h[1]
 
     def chunk(acc, hy):
         logits_BTV, pullback = jax.vjp(lambda p, h: jax.vmap(eqx.combine(p, static).logits)(h), params, hy[0])
         lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-        loss = (lse_BT - jnp.take_along_axis(logits_BTV, hy[1][..., None], -1)[..., 0]).sum()
-        d_head, d_h = pullback(jnp.exp(logits_BTV - lse_BT[..., None]) - jax.nn.one_hot(hy[1], logits_BTV.shape[-1]))
+        loss = (lse_BT - jnp.take_along_axis(logits_BTV, hy[1][..., None], -1)[..., 0]).sum() * scale
+        d_head, d_h = pullback(scale * (jnp.exp(logits_BTV - lse_BT[..., None]) - jax.nn.one_hot(hy[1], logits_BTV.shape[-1])))
         return (acc[0] + loss, jax.tree.map(jnp.add, acc[1], d_head)), d_h
 
     split = lambda a: a.reshape(-1, chunks, *a.shape[1:]).swapaxes(0, 1)
@@ -123,7 +124,7 @@ def head_loss_and_grads(head_and_h: tuple[GPT, jax.Array], y_BT: jax.Array, chun
     return loss, (d_head, d_h.swapaxes(0, 1).reshape(h_BTD.shape))
 
 
-head_loss = eqx.filter_custom_vjp(lambda head_and_h, y_BT, chunks: head_loss_and_grads(head_and_h, y_BT, chunks)[0])
+head_loss = eqx.filter_custom_vjp(lambda head_and_h, *args: head_loss_and_grads(head_and_h, *args)[0])
 head_loss.def_fwd(lambda perturbed, *args: head_loss_and_grads(*args))
 head_loss.def_bwd(lambda grads, g, perturbed, *args: jax.tree.map(lambda d: (g * d).astype(d.dtype), grads))
 
@@ -141,10 +142,9 @@ def make_train_step(optimizer, static: GPT, mesh, model_sharding, opt_sharding, 
         (params, opt_state), (x_GBT, y_GBT) = state, xy
 
         def replica_grads(params, x_GBT, y_GBT):  # one replica's B / mesh_replica sequences
-            # The mean over microbatches and replicas is taken by scaling each loss before autodiff: a
-            # scalar at the head of the backward pass, not one more pass over every gradient after it.
+            # the mean over microbatches and replicas is taken inside each loss, not by a pass over the grads
             n = len(x_GBT) * mesh.shape["replica"]
-            mean_loss = lambda model, x, y: loss_fn(model, x, y, loss_chunks) / n
+            mean_loss = lambda model, x, y: loss_fn(model, x, y, loss_chunks, n)
 
             def micro(grads, xy):
                 loss, g = eqx.filter_value_and_grad(mean_loss)(eqx.combine(params, static), *xy)

@@ -131,18 +131,18 @@ def test_flops_per_token_counts_gpt2_small():
     assert flops_per_token(cfg) == 6 * n + 12 * 12 * 768 * 1024
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_embeddings": True}, {"compute_dtype": "bfloat16"}])
-def test_loss_gradients_match_plain_autodiff(overrides):
+@pytest.mark.parametrize("overrides, parts", [({}, 1), ({"tie_embeddings": True}, 1), ({"compute_dtype": "bfloat16"}, 1), ({}, 3)])
+def test_loss_gradients_match_plain_autodiff(overrides, parts):
     """loss_fn takes the readout's and the loss's gradients in its forward pass (train.head_loss): the loss and
-    all gradients equal jax.grad of the loss written plainly, optax's cross-entropy of the model's logits;
-    in bfloat16 to its rounding, with each gradient in its parameter's dtype."""
+    all gradients equal jax.grad of the loss written plainly, optax's cross-entropy of the model's logits
+    divided by parts; in bfloat16 to its rounding, with each gradient in its parameter's dtype."""
     cfg = tiny(**overrides)
     gpt = init_gpt(cfg, jax.random.key(0))
     if not cfg.tie_embeddings:  # the readout starts at zero, where no gradient reaches the blocks
         gpt = eqx.tree_at(lambda m: m.emb.unembed, gpt, jax.random.normal(jax.random.key(1), gpt.emb.unembed.shape))
     x_BT, y_BT = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 8, 16))
-    plain = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(jax.vmap(m)(x), y).mean()
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(train.loss_fn))(gpt, x_BT, y_BT)
+    plain = lambda m, x, y: optax.softmax_cross_entropy_with_integer_labels(jax.vmap(m)(x), y).mean() / parts
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, x, y: train.loss_fn(m, x, y, 1, parts)))(gpt, x_BT, y_BT)
     want_loss, want_grads = eqx.filter_jit(eqx.filter_value_and_grad(plain))(gpt, x_BT, y_BT)
     tol = 1e-5 if cfg.compute_dtype == "float32" else 2e-2
     np.testing.assert_allclose(loss, want_loss, rtol=tol)

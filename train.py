@@ -98,9 +98,9 @@ def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
 
 
 def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, chunks: int = 1, parts: int = 1) -> jax.Array:
-    """Mean next-token cross-entropy in float32 over parts (a step's microbatches x replicas); batch added by vmap.
-    The readout and loss take their gradients in the forward pass (head_loss): the float32 (B, T, V) logits are not kept
-    for the backward (124M, H100: 73 -> 71 ms a step); chunks > 1 keeps them from existing whole (64 x 1024: 13 GB)."""
+    """Mean next-token cross-entropy in float32 over a vmapped batch, divided by parts (a step sums its microbatches'
+    and replicas' losses). The readout and loss take their gradients in the forward (head_loss): the float32 (B, T, V)
+    logits are not kept for the backward (124M, H100: 73 -> 71 ms a step); chunks > 1 keeps them from existing whole."""
     head = eqx.tree_at(lambda m: m.blocks, model, None)  # what model.logits reads: final norm, readout
     return head_loss((head, jax.vmap(model.hidden)(x_BT)), y_BT, chunks, 1 / (y_BT.size * parts))
 

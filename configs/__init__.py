@@ -169,9 +169,11 @@ class Config:
 
 # The fields a resumed run may change (launch.py compares every other one with the run's config.json):
 # how long it goes on, what it logs and evaluates, how it checkpoints, where the data lives and how the
-# same state is laid out on the devices. Anything else would make the checkpoint another run's.
+# same step is laid out and computed (a run resumed on fewer devices may need more microbatches to fit;
+# grad_accum also sizes evaluation's batches). Anything else would make the checkpoint another run's.
 RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "ckpt_keep",
-             "max_nonfinite", "mesh_replica", "cpu_devices", "remat", "scan_unroll", "steps_per_call", "data_root")
+             "max_nonfinite", "mesh_replica", "cpu_devices", "remat", "scan_unroll", "steps_per_call", "grad_accum",
+             "loss_chunks", "data_root")
 
 
 def available() -> list[str]:

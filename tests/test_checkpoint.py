@@ -135,6 +135,27 @@ def test_steps_per_call_changes_nothing_but_speed(straight, tmp_path, env):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_resume_in_more_microbatches_trains_as_the_straight_run(straight, tmp_path, env):
+    """Half the run in one microbatch, the rest in two with the loss in two chunks (a resume after running
+    out of memory, or on fewer devices): the straight run's training losses and final state, up to float
+    rounding. The evaluation after the change reads microbatches of half the size, a smaller sample."""
+    rundir = tmp_path / "run"
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS // 2}"), env)
+    assert r.returncode == 0, r.stderr
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}", "--config.grad_accum=2", "--config.loss_chunks=2"), env)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
+    got = records(rundir)
+    assert [g["step"] for g in got] == [s["step"] for s in straight[0]]
+    for g, s in zip(got, straight[0]):
+        if "val_loss" in g and g["step"] > STEPS // 2:
+            assert np.isfinite(g["val_loss"]) and g["lr"] == pytest.approx(s["lr"])
+        else:
+            assert g == pytest.approx(s, rel=1e-5), g["step"]
+    for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_sigkill_at_random_moments_then_resume_equals_straight_run(straight, tmp_path, env):
     """A checkpoint every step, and SIGKILL at 5 random moments: each once the run has reached a random
     step, then either as soon as a save is in flight (orbax's temporary directory exists) or after a

@@ -35,13 +35,36 @@ def checkpoint_manager(rundir: epath.Path, cfg: Config, read_only: bool = False)
     cleanup_tmp_directories removes the leftovers at the next start."""
     options = ocp.CheckpointManagerOptions(preservation_policy=ocp.checkpoint_managers.LatestN(cfg.ckpt_keep),
                                            cleanup_tmp_directories=True, read_only=read_only)
-    return ocp.CheckpointManager(rundir / "checkpoints", options=options)
+    return ocp.CheckpointManager(checkpoints_dir(rundir), options=options)
+
+
+def checkpoints_dir(rundir: epath.Path) -> epath.Path:
+    """RUNDIR/checkpoints made absolute: orbax refuses a relative path (as launch.py's default runs/NAME is)."""
+    path = rundir / "checkpoints"
+    return path if path.is_absolute() else path.absolute()
+
+
+def lock_rundir(rundir: epath.Path) -> None:
+    """One launch at a time in a run directory: a second (the same command in another terminal, a restart
+    while the first still runs) would interleave its steps, logs and saves with the first's. An flock, which
+    the kernel drops when the process ends however it ends, held until then; none on gs://."""
+    if not str(rundir).startswith("gs://"):
+        import fcntl
+
+        _LOCKS.append(lock := open(os.path.join(rundir, ".lock"), "w"))
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"{rundir} is in use: another launch.py is training there (wait for it, or pass another --rundir)") from None
+
+
+_LOCKS = []  # the open lock files of lock_rundir
 
 
 def check_resume(rundir: epath.Path, cfg: Config) -> None:
     """A run stops and saves only between calls of steps_per_call steps, so it resumes only with a K that
     divides its latest checkpoint's step. launch.py asks before it writes anything in the run directory."""
-    steps = ocp.path.step.checkpoint_steps(rundir / "checkpoints") if (rundir / "checkpoints").exists() else []
+    steps = ocp.path.step.checkpoint_steps(checkpoints_dir(rundir)) if (rundir / "checkpoints").exists() else []
     if (latest := max(steps, default=0)) % (K := cfg.steps_per_call):
         raise UsageError(f"the checkpoint is at step {latest}, not a multiple of steps_per_call={K}: resume with a divisor of it")
 
@@ -71,10 +94,22 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
     params, static = eqx.partition(model, eqx.is_array)  # static: eqx.nn.Shared's marker of the tied array
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type),
                           {"model": params, "opt_state": opt_state})
+    step = mngr.latest_step() if step is None else step
+    # An edited model.py meets an older checkpoint here: name the arrays that differ, not orbax's tree dump
+    ours, saved = shapes(target), shapes(ocp.StandardCheckpointer().metadata(mngr.directory / str(step) / "state").item_metadata)
+    if diff := [f"{k} {saved.get(k, 'absent')} there, {ours.get(k, 'absent')} here" for k in sorted(ours | saved) if ours.get(k) != saved.get(k)]:
+        raise UsageError(f"the checkpoint of step {step} does not fit the model that model.py and the config build: "
+                         f"{'; '.join(diff[:3])}{'; ...' if diff[3:] else ''} (run.json names the commit it was trained at)")
     jax.tree.map(lambda x: x.delete(), (params, opt_state))
     args = ocp.args.Composite(state=ocp.args.StandardRestore(target), tally=ocp.args.JsonRestore())
-    restored = mngr.restore(mngr.latest_step() if step is None else step, args=args)
+    restored = mngr.restore(step, args=args)
     return eqx.combine(restored.state["model"], static), restored.state["opt_state"], restored.tally
+
+
+def shapes(tree) -> dict[str, tuple]:
+    """{"model.blocks.mlp.up": shape, ...}: the arrays of a tree of modules, optax states or orbax's metadata."""
+    name = lambda k: str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
+    return {".".join(map(name, path)): tuple(x.shape) for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 @contextlib.contextmanager
@@ -82,7 +117,7 @@ def one_line(what: str):
     """Orbax's I/O errors (a full disk, a lost bucket), often raised from its background thread, as one line."""
     try:
         yield
-    except RunError:
+    except (RunError, UsageError):
         raise
     except (OSError, ValueError, RuntimeError) as e:
         raise RunError(f"{what} failed: {(str(e) or type(e).__name__).splitlines()[0]}") from None
@@ -184,9 +219,11 @@ class Logger:
             return
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.tb = EventFileWriter(str(rundir))
-        if start:  # tensorboard discards the events of steps >= the step of a START session log
-            start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
-            self.tb.add_event(self.event(wall_time=time.time(), step=start + 1, session_log=start_log))
+        # Tensorboard discards the events of steps >= a START session log's step that came before it: after
+        # the checkpoint resumed from (all, if none was saved). Its server takes a run's first START for no
+        # restart, so a fresh run writes one too.
+        start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        self.tb.add_event(self.event(wall_time=time.time(), step=start + 1 if start else 0, session_log=start_log))
         self.path, self.local = rundir / "metrics.jsonl", not str(rundir).startswith("gs://")
         old = self.path.read_text().splitlines(keepends=True) if start and self.path.exists() else []
         # (a kill mid-append can leave a last line without its newline: it is dropped)

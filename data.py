@@ -126,6 +126,8 @@ def tokenizer(meta: dict):
 
 def read_meta(cfg: Config) -> dict:
     path = data_dir(cfg) / "meta.json"
+    if not path.exists() and cfg.dataset == "shakespeare_char":  # 1 MB: prepared where first needed (the quickstart)
+        prepare_shakespeare_char(path.parent)
     if not path.exists():
         raise UsageError(f"no dataset at {path.parent}: prepare it with `python data.py {cfg.dataset}`")
     return json.loads(path.read_text())

@@ -32,6 +32,8 @@ def parse_value(name: str, kind, text: str):
         if text.lower() not in ("true", "false", "1", "0"):
             raise UsageError(f"--config.{name}={text!r}: expected true or false")
         return text.lower() in ("true", "1")
+    if kind not in (int, float, str):
+        raise UsageError(f"--config.{name}: a field of type {kind} is set in a config module, not on the command line")
     try:
         return kind(text)
     except ValueError:
@@ -71,30 +73,30 @@ def git_state() -> dict:
 
 
 def open_rundir(args, cfg: Config) -> epath.Path:
-    """The run directory, local or gs://, with config.json and run.json. One that holds a run already
-    (its config.json) is resumed, if cfg differs from that run's config only in RESUMABLE fields;
-    otherwise it is an error and nothing is written."""
+    """The run directory, local or gs://, with config.json and run.json. One that holds a run already (its
+    config.json) is resumed if cfg differs from its config only in RESUMABLE fields; else nothing is written."""
+    import checkpoint  # not at the top: it loads jax, and a typo should not wait for that
     rundir = epath.Path(args.rundir or f"runs/{args.config}-{time.strftime('%Y%m%d-%H%M%S')}")
     launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         run = {"config_name": args.config, **launch}
         if (rundir / "config.json").exists():
             try:
-                saved = json.loads((rundir / "config.json").read_text())
-            except ValueError:
-                saved = None
-            if not isinstance(saved, dict):
-                raise UsageError(f"{rundir}/config.json is not a run's config; pass a new --rundir")
+                saved = dict(json.loads((rundir / "config.json").read_text()))
+            except (ValueError, TypeError):
+                raise UsageError(f"{rundir}/config.json is not a run's config; pass a new --rundir") from None
             for name, new in dataclasses.asdict(cfg).items():
                 if name not in configs.RESUMABLE and (name not in saved or saved[name] != new):
                     was = f"{name}={saved[name]!r}" if name in saved else f"no {name}"
                     raise UsageError(f"{rundir} holds a run with {was}, this launch has {name}={new!r}: "
                                      f"resuming may change only {', '.join(configs.RESUMABLE)}")
-            import checkpoint  # not at the top: it loads jax, and a typo should not wait for that
             checkpoint.check_resume(rundir, cfg)  # a resume that cannot go on changes nothing here
+            if changed := [f"{n}={v!r} (was {saved[n]!r})" for n, v in dataclasses.asdict(cfg).items() if saved.get(n, v) != v]:
+                print(f"resuming with {', '.join(changed)}")  # RESUMABLE fields, given now or a config module's default
             run = json.loads((rundir / "run.json").read_text()) if (rundir / "run.json").exists() else {}
             run["resumed"] = run.get("resumed", []) + [launch]
         rundir.mkdir(parents=True, exist_ok=True)
+        checkpoint.lock_rundir(rundir)
         (rundir / "run.json").write_text(json.dumps(run, indent=1))
         (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))  # last: it marks a run
     except OSError as e:
@@ -136,8 +138,6 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint.quiet_failed_saves()
         with checkpoint.fail_together():  # from here on, an error in one process stops all of them
             cfg.check(jax.device_count())
-            if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
-                data.prepare_shakespeare_char(data.data_dir(cfg))
             data.load_split(cfg, "train"), data.load_split(cfg, "val")  # bad data is reported before the run directory
             # Process 0 checks and writes the run directory; the others only train in it.
             rundir = open_rundir(args, cfg) if jax.process_index() == 0 else epath.Path(args.rundir)

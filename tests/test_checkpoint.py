@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from etils import epath
 import configs
 import launch
 import train
-from checkpoint import Logger, checkpoint_manager, restore_checkpoint
+from checkpoint import Logger, checkpoint_manager, restore_checkpoint, save_checkpoint
+from configs import UsageError
 from conftest import ROOT, TINY_RUN, tiny
 from model import init_gpt
 
@@ -107,6 +109,7 @@ def test_stop_and_resume_equals_straight_run(straight, tmp_path, env):
     r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
     assert r.returncode == 0, r.stderr
     assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
+    assert f"resuming with max_steps={STEPS} (was {STEPS // 2})" in r.stdout  # the one field that changed
     assert records(rundir) == straight[0]
     for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
         np.testing.assert_array_equal(a, b)
@@ -180,6 +183,47 @@ def test_sigkill_at_random_moments_then_resume_equals_straight_run(straight, tmp
     print(f"{kills} SIGKILLs, {during_save} of them during a save; resumed from steps {resumed_from}")
     assert proc.returncode == 0 and kills == 5 and during_save >= 1 and len(resumed_from) == 5
     assert records(rundir) == straight[0]
+    assert tensorboard_losses(rundir) == [(r["step"], pytest.approx(r["loss"])) for r in straight[0] if "loss" in r]
+
+
+def tensorboard_losses(rundir) -> list[tuple[int, float]]:
+    """(step, loss) as tensorboard's server reads the run: its plugin accumulator, which drops the events that a
+    START session log says came after the checkpoint a launch resumed from."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(rundir))
+    acc.Reload()
+    return [(e.step, float(e.tensor_proto.float_val[0])) for e in acc.Tensors("loss/batch")]
+
+
+def test_a_second_launch_in_a_live_run_directory_is_refused(shakespeare, tmp_path, env):
+    """The same command twice at once: the second stops with one line and writes nothing; once the first is
+    SIGKILLed (no cleanup), the directory is free again."""
+    rundir, long = tmp_path / "run", "--config.max_steps=1000000"
+    first = start(launch_args(rundir, long), env)
+    try:
+        while not (rundir / "metrics.jsonl").exists() and first.poll() is None:  # the Logger: after the lock
+            time.sleep(0.05)
+        before = {name: (rundir / name).read_text() for name in ("config.json", "run.json")}
+        second = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)  # without the lock: trains, exits 0
+        assert_one_line_error(second, f"{rundir} is in use: another launch.py")
+        assert {name: (rundir / name).read_text() for name in before} == before
+    finally:
+        first.kill()
+        first.communicate()
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), env)
+    assert r.returncode == 0, r.stderr
+
+
+def test_tensorboard_drops_what_was_logged_after_the_checkpoint(straight, tmp_path, env):
+    """A run's last checkpoint lost (removed here, as a kill before orbax commits it loses it): the same command
+    resumes from the one before, and tensorboard shows each step once, with the straight run's values."""
+    rundir = tmp_path / "run"
+    assert run(launch_args(rundir, f"--config.max_steps={STEPS}"), env).returncode == 0
+    shutil.rmtree(rundir / "checkpoints" / str(STEPS))
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
+    assert r.returncode == 0 and f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout, r.stderr
+    assert tensorboard_losses(rundir) == [(r["step"], pytest.approx(r["loss"])) for r in straight[0] if "loss" in r]
     for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -279,6 +323,23 @@ def test_resume_with_another_model_shape_is_one_line_and_writes_nothing(shakespe
     assert_one_line_error(r, f"{rundir} holds a run with n_layer=2, this launch has n_layer=3: resuming may change only max_steps")
     assert len(r.stderr.strip().splitlines()) == 1
     assert (rundir / "config.json").read_text() == saved and sorted(p.name for p in rundir.iterdir()) == ["config.json"]
+
+
+def test_a_checkpoint_of_another_model_is_one_line_naming_the_arrays(tmp_path):
+    """As after an edit to model.py: a checkpoint restored into a model with other arrays (here RMSNorm gains
+    added, the MLP twice as wide) is refused before anything is freed, naming what differs."""
+    cfg, edited = tiny(), tiny(norm_gain=True, mlp_ratio=8)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
+    save_checkpoint(mngr, 3, s.model, s.opt_state, {})
+    mngr.wait_until_finished()
+    s2 = train.setup(edited, train.make_mesh(edited))
+    with pytest.raises(UsageError) as e:
+        restore_checkpoint(mngr, s2.model, s2.opt_state)
+    assert str(e.value).startswith("the checkpoint of step 3 does not fit the model that model.py and the config build: "
+                                   "model.blocks.attn_norm absent there, (2, 32) here; model.blocks.mlp.down (2, 128, 32) "
+                                   "there, (2, 256, 32) here; model.blocks.mlp.up (2, 32, 128) there, (2, 32, 256) here; ...")
+    assert all(not x.is_deleted() for x in jax.tree.leaves(eqx.filter((s2.model, s2.opt_state), eqx.is_array)))
 
 
 def test_unwritable_run_directory_is_one_line_before_training(shakespeare, tmp_path, env):

@@ -1,12 +1,13 @@
 """The CLI: typed overrides, one-line errors for bad input, and a short run end to end."""
 import json
+import os
 
 import pytest
 
 import configs
 import launch
 from configs import UsageError
-from conftest import run
+from conftest import ROOT, run
 
 
 def test_overrides_parse_to_the_field_types():
@@ -29,6 +30,13 @@ def test_overrides_parse_to_the_field_types():
 def test_bad_overrides_name_the_field(arg, message):
     with pytest.raises(UsageError, match=message):
         launch.apply_overrides(configs.load("shakespeare_char_cpu"), [arg])
+
+
+@pytest.mark.parametrize("kind", [tuple[int, int], list[int], float | None])
+def test_a_field_type_the_command_line_cannot_parse_is_one_line(kind):
+    """A field a researcher adds with a type parse_value does not know: an error, not tuple("2,4") or a TypeError."""
+    with pytest.raises(UsageError, match=r"^--config.sizes: a field of type .* is set in a config module"):
+        launch.parse_value("sizes", kind, "2,4")
 
 
 def test_every_config_module_loads_and_checks():
@@ -88,10 +96,11 @@ def test_existing_run_with_another_config_is_not_overwritten(shakespeare, tmp_pa
 def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    rundir = tmp_path / "run"
-    r = run(["launch.py", "--config=shakespeare_char_cpu", f"--rundir={rundir}", "--config.max_steps=30",
-             "--config.eval_interval=15", "--config.eval_batches=2", "--config.log_interval=5"])
+    rundir = tmp_path / "run"  # given relative, as README's runs/quickstart is: orbax needs it made absolute
+    r = run(["launch.py", "--config=shakespeare_char_cpu", f"--rundir={os.path.relpath(rundir, ROOT)}",
+             "--config.max_steps=30", "--config.eval_interval=15", "--config.eval_batches=2", "--config.log_interval=5"])
     assert r.returncode == 0, r.stderr
+    assert (rundir / "checkpoints" / "30").is_dir()  # the final save
     cfg = json.loads((rundir / "config.json").read_text())
     assert cfg["max_steps"] == 30 and cfg["n_layer"] == 4
     run_info = json.loads((rundir / "run.json").read_text())

@@ -102,12 +102,13 @@ class Attention(eqx.Module):
     rope_base: float = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
     impl: str | None = eqx.field(static=True)  # a fused attention kernel (attend), or None
+    fused: bool = eqx.field(static=True)  # cfg.kernels: may the QK-norm and RoPE run as kernels.py's kernel
 
     def project(self, x_TD: Array, pos_T: Array) -> tuple[Array, Array, Array]:
         """Queries, keys and values of one sequence; sample.py calls this to fill its KV cache."""
         D, _, H, K = self.qkv.shape
         qkv_TC = linear(x_TD, self.qkv.astype(self.dtype).reshape(D, 3 * H * K))
-        if isinstance(pos_T, np.ndarray) and not TAPS and kernels.applies(len(pos_T), K):
+        if self.fused and isinstance(pos_T, np.ndarray) and not TAPS and kernels.applies(len(pos_T), K):
             # on one GPU: the same math as below in one Triton kernel each way (kernels.py: -8% of a 124M step)
             return kernels.qk_norm_rope(qkv_TC, self.q_norm, self.k_norm, *rope_tables(pos_T, K, self.rope_base), H)
         qkv_T3HK = qkv_TC.reshape(-1, 3, H, K)
@@ -118,14 +119,14 @@ class Attention(eqx.Module):
         k_THK = rope(layer_norm(k_THK, self.k_norm), pos_T, self.rope_base).astype(self.dtype)
         return q_THK, k_THK, v_THK
 
-    def __call__(self, x_TD: Array, pos_T: Array) -> Array:
+    def __call__(self, x_TD: Array, pos_T: Array, cache: Callable | None = None) -> Array:
+        """cache: sample.py's KV cache, a function that stores these keys and values and returns the cache's
+        (S, H, K) ones with the (T, S) mask of those each query may see: decoding runs this same code."""
         q_THK, k_THK, v_THK = self.project(x_TD, pos_T)
         if TAPS:  # the logits themselves stay inside attend; the causal ones, for mup.py
             tap("attn_logits", self.scale * jnp.einsum("THK,SHK->HTS", q_THK, k_THK)[:, *jnp.tril_indices(len(pos_T))])
-        return self.output(attend(q_THK, k_THK, v_THK, self.scale, self.impl))
-
-    def output(self, o_THK: Array) -> Array:
-        """The heads' outputs mixed back to width D; sample.py calls this after attending to its cache."""
+        k_SHK, v_SHK, mask_TS = (k_THK, v_THK, None) if cache is None else cache(k_THK, v_THK)
+        o_THK = attend(q_THK, k_SHK, v_SHK, self.scale, self.impl if cache is None else None, mask_TS)
         T, H, K = o_THK.shape
         return tap("attn_out", linear(o_THK.reshape(T, H * K), self.out.astype(self.dtype).reshape(H * K, -1)))
 
@@ -148,12 +149,8 @@ class Block(eqx.Module):
     mlp: MLP
     branch_mult: float = eqx.field(static=True)  # CompleteP: depth_base / L (Dey et al. 2025, alpha = 1)
 
-    def __call__(self, x_TD: Array, pos_T: Array) -> Array:
-        return self.after_attention(x_TD, self.attn(rms_norm(x_TD, self.attn_norm), pos_T))
-
-    def after_attention(self, x_TD: Array, attn_TD: Array) -> Array:
-        """The rest of the block once the attention output is known (sample.py's comes from its KV cache)."""
-        x_TD = x_TD + self.branch_mult * attn_TD
+    def __call__(self, x_TD: Array, pos_T: Array, cache: Callable | None = None) -> Array:
+        x_TD = x_TD + self.branch_mult * self.attn(rms_norm(x_TD, self.attn_norm), pos_T, cache)
         return tap("resid", x_TD + self.branch_mult * self.mlp(rms_norm(x_TD, self.mlp_norm)))
 
 
@@ -230,7 +227,7 @@ def gpt_skeleton(cfg: Config) -> GPT:
 
     def block(_):
         attn = Attention(jnp.zeros((D, 3, H, K)), jnp.zeros((H, K, D)), jnp.ones(K), jnp.ones(K),
-                         scale=cfg.attn_scale, rope_base=cfg.rope_base, dtype=dt, impl=impl)
+                         scale=cfg.attn_scale, rope_base=cfg.rope_base, dtype=dt, impl=impl, fused=cfg.kernels)
         act = kernels.gelu if impl == "cudnn" and cfg.scan_unroll >= cfg.n_layer else jax.nn.gelu
         mlp = MLP(jnp.zeros((D, F)), jnp.zeros((F, D)), dtype=dt, act=act)
         return Block(gain(D), attn, gain(D), mlp, branch_mult=1 / cfg.depth_mult)
@@ -255,7 +252,7 @@ def attention_impl(cfg: Config) -> str | None:
     """cuDNN flash attention on NVIDIA GPUs where it applies (bf16, head dim a multiple of 8 up to 128);
     XLA's everywhere else. On TPU a Pallas splash-attention kernel would be selected here."""
     cudnn_ok = cfg.compute_dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
-    return "cudnn" if jax.default_backend() == "gpu" and cudnn_ok else None
+    return "cudnn" if cfg.kernels and jax.default_backend() == "gpu" and cudnn_ok else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from etils import epath
 
 import data
 from configs import Config, UsageError
-from model import GPT, attend, rms_norm
+from model import GPT
 
 
 class Cache(NamedTuple):
@@ -44,23 +44,24 @@ def empty_cache(model: GPT, S: int) -> Cache:
 def extend(model: GPT, cache: Cache, tokens_T: jax.Array, start) -> tuple[jax.Array, Cache]:
     """Run tokens_T at positions start..start+T-1 through the blocks, writing their keys and values into
     the cache there, each attending to the cache's positions up to its own. One function serves the
-    prefill (T = S, start 0) and each decode step (T = 1): the model's own pieces, called in the same
-    order as Block.__call__, so the two paths cannot drift apart. Returns the last block's output."""
-    S = cache.k_LSHK.shape[1]
+    prefill (T = S, start 0) and each decode step (T = 1): it runs each Block.__call__ with a cache
+    function, so training's code and decoding's cannot drift apart. Returns the last block's output."""
     pos_T = start + jnp.arange(tokens_T.shape[0])
     # Positions past the newest are stale or empty, earlier ones are this sequence's past: a causal
     # mask by position. (Not is_causal: it aligns queries to keys from position 0, true only in prefill.)
-    mask_TS = jnp.arange(S)[None, :] <= pos_T[:, None]
+    mask_TS = jnp.arange(cache.k_LSHK.shape[1])[None, :] <= pos_T[:, None]
     params, static = eqx.partition(model.blocks, eqx.is_array)
 
     def layer(x_TD, inputs):
         block_params, k_SHK, v_SHK = inputs
-        block = eqx.combine(block_params, static)
-        q_THK, k_THK, v_THK = block.attn.project(rms_norm(x_TD, block.attn_norm), pos_T)
-        k_SHK = jax.lax.dynamic_update_slice_in_dim(k_SHK, k_THK, start, axis=0)
-        v_SHK = jax.lax.dynamic_update_slice_in_dim(v_SHK, v_THK, start, axis=0)
-        o_THK = attend(q_THK, k_SHK, v_SHK, block.attn.scale, mask_TS=mask_TS)
-        return block.after_attention(x_TD, block.attn.output(o_THK)), (k_SHK, v_SHK)
+        written = []
+
+        def write(k_THK, v_THK):  # this layer's keys and values into its cache at `start`
+            written.extend(jax.lax.dynamic_update_slice_in_dim(c, new, start, axis=0) for c, new in
+                           ((k_SHK, k_THK), (v_SHK, v_THK)))
+            return *written, mask_TS
+
+        return eqx.combine(block_params, static)(x_TD, pos_T, write), tuple(written)
 
     # Not unrolled (model.unroll is for training): generate holds three of these scans, and train.py's
     # preview compiles generate in every run, where unrolling 4 layers cost ~0.8 s of compile time.
@@ -74,9 +75,11 @@ def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: 
     The temperature is traced (no recompilation per value); top_k and top_p shape the computation."""
     # The model pads its vocabulary (cfg.vocab_multiple); the padding rows are untrained ids the
     # tokenizer cannot decode.
-    logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < n_vocab, logits_V, -jnp.inf)
-    greedy = jnp.argmax(logits_V)
-    logits_V = logits_V / jnp.where(temperature > 0, temperature, 1.0)
+    valid_V = jnp.arange(logits_V.shape[0]) < n_vocab
+    greedy = jnp.argmax(jnp.where(valid_V, logits_V, -jnp.inf))
+    # shifted to max 0 first, masked after: a tiny temperature then gives -inf, a huge one 0, never inf - inf
+    scaled_V = (logits_V - logits_V[greedy]) / jnp.where(temperature > 0, temperature, 1.0)
+    logits_V = jnp.where(valid_V, scaled_V, -jnp.inf)
     if top_k:
         kth = jax.lax.top_k(logits_V, min(top_k, n_vocab))[0][-1]
         logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
@@ -189,8 +192,11 @@ def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
         path = Path(start[len("FILE:"):])
         if not path.is_file():
-            raise UsageError(f"--start=FILE:{path}: no such file")
-        start = path.read_text()
+            raise UsageError(f"--start=FILE:{path}: {'a directory' if path.is_dir() else 'no such file'}")
+        try:
+            start = path.read_text()
+        except UnicodeDecodeError:
+            raise UsageError(f"--start=FILE:{path} is not UTF-8 text") from None
     if not start:
         raise UsageError("the prompt is empty: pass --start=TEXT (a newline, say) or --start=FILE:path")
     return start
@@ -215,7 +221,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def check_args(args: argparse.Namespace) -> None:
     for name, ok, need in (("num_samples", args.num_samples >= 1, "at least 1"),
                            ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
-                           ("temperature", args.temperature >= 0, "at least 0 (0: greedy)"),
+                           ("temperature", 0 <= args.temperature < float("inf"), "finite and at least 0 (0: greedy)"),
                            ("top_k", args.top_k >= 0, "at least 0 (0: off)"), ("top_p", 0 < args.top_p <= 1, "in (0, 1]")):
         if not ok:
             raise UsageError(f"--{name}={getattr(args, name)} must be {need}")

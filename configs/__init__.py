@@ -39,6 +39,9 @@ class Config:
     # groups of sequences the readout and loss take one at a time (train.loss_fn): >1 keeps the float32
     # (B, T, V) logits from existing whole, for one more readout matmul forward
     loss_chunks: int = 1
+    # fused kernels on a GPU (cuDNN attention, kernels.py's QK-norm + RoPE and GELU): they hold their own
+    # copy of that math, so an edit to model.py's attend, layer_norm, rope or GELU needs kernels=False there
+    kernels: bool = True
 
     # parametrization: "mup" is the Maximal Update Parametrization (Tensor Programs V, Yang et al. 2022,
     # arXiv 2203.03466) with CompleteP's depth rules (Dey et al. 2025, arXiv 2505.01618): LRs tuned at

@@ -121,6 +121,9 @@ def test_pick_draws_only_from_the_top_k_and_the_nucleus():
     assert draws(top_p=0.7).tolist() == pytest.approx([0, 0.5 / 0.8, 0, 0.3 / 0.8, 0], abs=0.04)  # 0.5 < 0.7 <= 0.8
     assert draws(top_p=0.85).tolist() == pytest.approx([0, 0.5 / 0.95, 0.15 / 0.95, 0.3 / 0.95, 0], abs=0.04)
     assert draws(temperature=0.0).tolist() == [0, 1, 0, 0, 0]
+    # the limits, where logits / T overflows: a huge T draws the 4 real tokens uniformly, a tiny one the argmax
+    assert draws(temperature=jnp.float32(jnp.inf)).tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25, 0], abs=0.04)
+    assert draws(temperature=1e-38).tolist() == [0, 1, 0, 0, 0]
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +176,9 @@ def test_bad_input_is_one_line(run_dir, tmp_path):
     assert error_line([f"--rundir={run_dir}", "--start=FILE:" + str(tmp_path / "none.txt")]).endswith("no such file")
     assert error_line([f"--rundir={run_dir}", "--start=Zürich"]) == "error: characters 'ü' are not in the dataset's vocabulary"
     assert error_line([f"--rundir={run_dir}", "--top_p=0"]) == "error: --top_p=0.0 must be in (0, 1]"
+    assert error_line([f"--rundir={run_dir}", "--temperature=inf"]).startswith("error: --temperature=inf must be finite")
+    (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
+    assert error_line([f"--rundir={run_dir}", f"--start=FILE:{tmp_path / 'binary.txt'}"]).endswith("is not UTF-8 text")
     assert error_line([f"--rundir={run_dir}", "--step=7"]) == f"error: --step=7: {run_dir} has checkpoints of steps 5, 10 only"
     (tmp_path / "config.json").write_text((run_dir / "config.json").read_text())  # a run without a checkpoint
     assert error_line([f"--rundir={tmp_path}"]).startswith(f"error: {tmp_path} has no checkpoint yet")

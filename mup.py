@@ -188,7 +188,8 @@ def plot_transfer(path: Path, widths: list[int], lrs: list[float], loss: np.ndar
             best = np.nanargmin(row)
             ax.plot(log_lr[best], row[best], "*", color=color, ms=14, markeredgecolor="k")
     finite = loss[np.isfinite(loss)]  # diverged runs (nan) are left out; the y range is the optimum's region
-    ax.set_ylim(finite.min() - 0.05, min(finite.max(), finite.min() + 0.6) + 0.05)
+    if finite.size:
+        ax.set_ylim(finite.min() - 0.05, min(finite.max(), finite.min() + 0.6) + 0.05)
     ax.set_xticks(log_lr, [f"{lr:.2g}" for lr in lrs], fontsize=8)
     ax.set(xlabel="learning rate (log2 scale)", ylabel="final validation loss", title=title)
     ax.legend(fontsize=8)
@@ -228,14 +229,18 @@ def main(argv: list[str] | None = None) -> None:
                 raise UsageError(f"{flag}={value} must be at least 1")
         axis, text = ("depth", args.depths) if args.depths else ("width", args.widths)
         sizes = positive_list(f"--{axis}s", text, int)
-        if len(sizes) < 2:
-            raise UsageError(f"--{axis}s needs at least two values to fit a slope")
+        if len(set(sizes)) < len(sizes) or len(sizes) < 2:
+            raise UsageError(f"--{axis}s={text} needs at least two different values to fit a slope")
+        if args.command == "transfer" and args.depths:
+            raise UsageError("--depths is for coord: transfer sweeps widths (--widths)")
         lrs = sorted(positive_list("--lrs", args.lrs, float)) if args.lrs else None
-        if args.command == "transfer" and not lrs:
-            raise UsageError("transfer needs --lrs")
-        if cfg.dataset == "shakespeare_char" and not (data.data_dir(cfg) / "meta.json").exists():
-            data.prepare_shakespeare_char(data.data_dir(cfg))
+        if (args.command == "transfer") != bool(lrs):
+            raise UsageError("transfer needs --lrs" if lrs is None else "--lrs is for transfer: coord trains at the config's LR")
+        if lrs and lrs[-1] >= 3e38:
+            raise UsageError(f"--lrs={args.lrs}: every LR must be finite in float32")
         out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"--out={out} is a file, not a directory")
         out.mkdir(parents=True, exist_ok=True)
         name = f"{args.config}, {cfg.param}"
         if args.command == "coord":
@@ -249,13 +254,14 @@ def main(argv: list[str] | None = None) -> None:
             for w in sizes:  # the files are rewritten after each width: a long sweep shows its progress
                 rows.append(lr_sweep(resize(cfg, "width", w), lrs, args.steps))
                 loss, done = np.stack(rows), sizes[:len(rows)]
-                best = {str(w): lrs[int(np.nanargmin(row))] for w, row in zip(done, loss)}
+                best = {str(w): lrs[int(np.nanargmin(row))] if np.isfinite(row).any() else None for w, row in zip(done, loss)}
                 grid = [[float(v) if np.isfinite(v) else None for v in row] for row in loss]
                 result = {"config": args.config, "param": cfg.param, "steps": args.steps, "widths": done, "lrs": lrs,
                           "loss": grid, "best_lr": best}
                 (out / "lr_transfer.json").write_text(json.dumps(result, indent=1))
                 plot_transfer(out / "lr_transfer.png", done, lrs, loss, f"{name}, {args.steps} steps")
-                print(f"width {w}: best LR {best[str(w)]:g}, loss {np.nanmin(loss[-1]):.4f}", flush=True)
+                print(f"width {w}: " + (f"best LR {best[str(w)]:g}, loss {np.nanmin(loss[-1]):.4f}" if best[str(w)]
+                                        else "every LR diverged (loss nan)"), flush=True)
             print(f"best LR per width: {best}; wrote {out}/lr_transfer.json and .png")
     except UsageError as e:
         raise SystemExit(f"error: {e}")

@@ -160,7 +160,14 @@ def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
                                          (["transfer", "--lrs=1e-3,nan"], "--lrs=1e-3,nan: every value must be positive and finite"),
                                          (["transfer", "--lrs=inf,1e-3"], "--lrs=inf,1e-3: every value must be positive and finite"),
                                          (["coord", "--seeds=0"], "--seeds=0 must be at least 1"),
-                                         (["transfer", "--lrs=1e-3,fast"], "--lrs=1e-3,fast is not a comma-separated list of floats")])
+                                         (["transfer", "--lrs=1e-3,fast"], "--lrs=1e-3,fast is not a comma-separated list of floats"),
+                                         (["transfer", "--lrs=1e-3,1e39"], "--lrs=1e-3,1e39: every LR must be finite in float32"),
+                                         (["coord", "--widths=64,64"], "--widths=64,64 needs at least two different values"),
+                                         (["transfer", "--depths=2,4", "--lrs=1e-3"], "--depths is for coord"),
+                                         (["coord", "--lrs=1e-3"], "--lrs is for transfer"),
+                                         (["coord", "--out=FILE"], "--out=FILE is a file, not a directory")])
 def test_bad_sweep_arguments_are_one_line_errors(tmp_path, args, error):
+    (tmp_path / "FILE").write_text("")
+    args, error = [a.replace("FILE", str(tmp_path / "FILE")) for a in args], error.replace("FILE", str(tmp_path / "FILE"))
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: {error}")):
-        mup.main([*args, "--config=shakespeare_char_cpu", f"--out={tmp_path}"])
+        mup.main([f"--out={tmp_path}", *args, "--config=shakespeare_char_cpu"])  # a later --out wins

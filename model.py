@@ -105,7 +105,7 @@ class Attention(eqx.Module):
     fused: bool = eqx.field(static=True)  # cfg.kernels: may the QK-norm and RoPE run as kernels.py's kernel
 
     def project(self, x_TD: Array, pos_T: Array) -> tuple[Array, Array, Array]:
-        """Queries, keys and values of one sequence; sample.py calls this to fill its KV cache."""
+        """Queries and keys (QK-LayerNormed, rotated) and values of one sequence."""
         D, _, H, K = self.qkv.shape
         qkv_TC = linear(x_TD, self.qkv.astype(self.dtype).reshape(D, 3 * H * K))
         if self.fused and isinstance(pos_T, np.ndarray) and not TAPS and kernels.applies(len(pos_T), K):

@@ -44,6 +44,9 @@ def checkpoints_dir(rundir: epath.Path) -> epath.Path:
     return path if path.is_absolute() else path.absolute()
 
 
+_LOCKS = []  # lock_rundir's open lock files: closing one would release its lock
+
+
 def lock_rundir(rundir: epath.Path) -> None:
     """One launch at a time in a run directory: a second (the same command in another terminal, a restart
     while the first still runs) would interleave its steps, logs and saves with the first's. An flock, which
@@ -56,9 +59,6 @@ def lock_rundir(rundir: epath.Path) -> None:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UsageError(f"{rundir} is in use: another launch.py is training there (wait for it, or pass another --rundir)") from None
-
-
-_LOCKS = []  # the open lock files of lock_rundir
 
 
 def check_resume(rundir: epath.Path, cfg: Config) -> None:

@@ -133,6 +133,23 @@ def read_meta(cfg: Config) -> dict:
     return json.loads(path.read_text())
 
 
+def run_tokenizer(rundir, cfg: Config, launching: bool = False) -> dict:
+    """meta.json's vocab_size and tokenizer as the run has them: launch.py keeps a copy in RUNDIR/tokenizer.json,
+    so that sample.py decodes a run whatever becomes of its dataset, and a resume refuses a dataset that
+    was prepared again with another vocabulary (its token ids would mean other text)."""
+    path = rundir / "tokenizer.json"
+    if path.exists() and not launching:
+        return json.loads(path.read_text())
+    meta = read_meta(cfg)
+    meta = {"vocab_size": meta["vocab_size"], "tokenizer": meta["tokenizer"]}
+    if launching and path.exists() and json.loads(path.read_text()) != meta:
+        raise UsageError(f"{data_dir(cfg)} has another vocabulary than the one {rundir} trained with ({path}): "
+                         f"prepare the dataset as it was, or start a new --rundir")
+    if launching:
+        path.write_text(json.dumps(meta, indent=1))
+    return meta
+
+
 def load_split(cfg: Config, split: str) -> np.ndarray:
     """The split's tokens as a read-only np.memmap (never read whole into RAM), after checks that
     it is intact and fits the model."""

@@ -1,8 +1,8 @@
 """Train a GPT:  python launch.py --config=NAME [--rundir=DIR] [--debug] [--multihost] [--config.FIELD=VALUE ...]
 
 The config is configs/NAME.py with typed overrides from the command line. The run directory (default
-runs/NAME-TIMESTAMP, or gs://...) gets config.json, run.json (git commit, dirty tree, command), metrics.jsonl,
-tensorboard events, checkpoints/ (--debug: a profile of a few steps instead); an existing --rundir is resumed.
+runs/NAME-TIMESTAMP, or gs://...) gets config.json, run.json (git commit, dirty tree, command), tokenizer.json,
+metrics.jsonl, tensorboard events, checkpoints/ (--debug: a profile of a few steps instead); an existing one resumes.
 """
 import argparse
 import dataclasses
@@ -57,8 +57,7 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 
 def git_state() -> dict:
-    """The commit and whether the tree was dirty; in a copy without .git (tpu_scripts/tpu.sh copy), as the
-    copy recorded them in .mugpt_git."""
+    """The commit and whether the tree was dirty; in a copy without .git (tpu.sh copy), from its .mugpt_git."""
     def git(*args):
         try:
             out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
@@ -75,7 +74,7 @@ def git_state() -> dict:
 def open_rundir(args, cfg: Config) -> epath.Path:
     """The run directory, local or gs://, with config.json and run.json. One that holds a run already (its
     config.json) is resumed if cfg differs from its config only in RESUMABLE fields; else nothing is written."""
-    import checkpoint  # not at the top: it loads jax, and a typo should not wait for that
+    import checkpoint, data  # not at the top: checkpoint loads jax, and a typo should not wait for that
     rundir = epath.Path(args.rundir or f"runs/{args.config}-{time.strftime('%Y%m%d-%H%M%S')}")
     launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
@@ -97,6 +96,7 @@ def open_rundir(args, cfg: Config) -> epath.Path:
             run["resumed"] = run.get("resumed", []) + [launch]
         rundir.mkdir(parents=True, exist_ok=True)
         checkpoint.lock_rundir(rundir)
+        data.run_tokenizer(rundir, cfg, launching=True)  # a copy for sample.py; a resume checks the dataset's
         (rundir / "run.json").write_text(json.dumps(run, indent=1))
         (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))  # last: it marks a run
     except OSError as e:
@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> None:
             # Process 0 checks and writes the run directory; the others only train in it.
             rundir = open_rundir(args, cfg) if jax.process_index() == 0 else epath.Path(args.rundir)
             train.train(cfg, rundir, debug=args.debug)
-    except (UsageError, RunError) as e:
-        sys.exit(f"error: {e}")
+    except (UsageError, RunError, KeyboardInterrupt) as e:  # Ctrl-C: before the loop's handler (startup), or a second
+        sys.exit(f"error: {str(e) or 'interrupted; a run directory resumes from its last checkpoint when given again as --rundir'}")
 
 
 if __name__ == "__main__":

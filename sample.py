@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
         check_args(args)
         rundir = epath.Path(args.rundir)  # local, or gs://
         cfg = read_config(rundir)
-        encode, decode = data.tokenizer(meta := data.read_meta(cfg))
+        encode, decode = data.tokenizer(meta := data.run_tokenizer(rundir, cfg))
         prompt = encode(read_prompt(args.start))
         if len(prompt) > cfg.block_size:
             print(f"note: the prompt has {len(prompt)} tokens; keeping its last block_size={cfg.block_size}", file=sys.stderr)

@@ -314,6 +314,37 @@ def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shak
     assert all((a == 0).all() for a in state[len(init):])  # Adam moments and counts
 
 
+def test_ctrl_c_during_startup_is_one_line_and_the_run_resumes(shakespeare, tmp_path, env):
+    """SIGINT right after the run directory is written: during restore, compilation and the step-0 evaluation,
+    before the loop's own handler. One line, no traceback; the same command then trains."""
+    rundir = tmp_path / "run"
+    proc = start(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), {**env, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if line.startswith("run directory"):
+            break
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "interrupted")
+    assert run(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), env).returncode == 0
+
+
+def test_the_run_keeps_its_vocabulary(shakespeare, tmp_path, env):
+    """launch.py copies the dataset's vocabulary into the run directory; a resume on the dataset prepared
+    again with another vocabulary (here every letter's case swapped: the same size, other text) is refused."""
+    data_root = tmp_path / "data"
+    shutil.copytree(shakespeare, data_root / "shakespeare_char", ignore=shutil.ignore_patterns("input.txt"))
+    rundir, meta_path = tmp_path / "run", data_root / "shakespeare_char" / "meta.json"
+    assert run(launch_args(rundir, "--config.max_steps=4", f"--config.data_root={data_root}"), env).returncode == 0
+    meta = json.loads(meta_path.read_text())
+    assert json.loads((rundir / "tokenizer.json").read_text()) == {k: meta[k] for k in ("vocab_size", "tokenizer")}
+    meta["tokenizer"]["chars"] = meta["tokenizer"]["chars"].swapcase()
+    meta_path.write_text(json.dumps(meta))
+    before = {name: (rundir / name).read_text() for name in ("config.json", "run.json", "tokenizer.json")}
+    r = run(launch_args(rundir, "--config.max_steps=8", f"--config.data_root={data_root}"), env)
+    assert_one_line_error(r, f"{data_root / 'shakespeare_char'} has another vocabulary than the one {rundir} trained with")
+    assert {name: (rundir / name).read_text() for name in before} == before and committed_steps(rundir) == [4]
+
+
 def test_resume_with_another_model_shape_is_one_line_and_writes_nothing(shakespeare, tmp_path, env):
     rundir = tmp_path / "run"
     rundir.mkdir()

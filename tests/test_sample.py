@@ -2,6 +2,7 @@
 import dataclasses
 import json
 import re
+import shutil
 
 import equinox as eqx
 import jax
@@ -160,6 +161,25 @@ def test_cli_prints_samples_and_tokens_per_s(run_dir, capsys):
     assert re.fullmatch(rf"{run_dir} step 10: 80 tokens \(2 x 40\) in .* s: [\d,]+ tokens/s on .*\n", speed), speed
     sample.main([f"--rundir={run_dir}", "--step=5", "--max_new_tokens=10"])
     assert capsys.readouterr().out.splitlines()[-1].startswith(f"{run_dir} step 5: 30 tokens (3 x 10)")
+
+
+def test_samples_decode_with_the_run_directorys_tokenizer(run_dir, tmp_path, capsys):
+    """With tokenizer.json in the run directory (launch.py writes it) sampling needs no dataset (here one
+    that is gone): the same run with every letter's case swapped in its tokenizer.json samples the same ids,
+    so the case-swapped text."""
+    def greedy(rundir, start):
+        sample.main([f"--rundir={rundir}", f"--start={start}", "--num_samples=1", "--max_new_tokens=30", "--temperature=0"])
+        return capsys.readouterr().out.split("-" * 40)[0]
+
+    text = greedy(run_dir, "ROMEO:")
+    shutil.copytree(run_dir, tmp_path / "run")
+    cfg = json.loads((run_dir / "config.json").read_text())
+    (tmp_path / "run" / "config.json").write_text(json.dumps({**cfg, "data_root": str(tmp_path), "dataset": "gone"}))
+    assert error_line([f"--rundir={tmp_path / 'run'}"]).startswith(f"error: no dataset at {tmp_path / 'gone'}")
+    meta = data.read_meta(tiny())
+    meta["tokenizer"]["chars"] = meta["tokenizer"]["chars"].swapcase()
+    (tmp_path / "run" / "tokenizer.json").write_text(json.dumps(meta))
+    assert greedy(tmp_path / "run", "romeo:") == text.swapcase() and text.startswith("ROMEO:")
 
 
 def error_line(argv: list[str]) -> str:

@@ -282,8 +282,10 @@ def policy_rows(cfg: Config) -> dict[str, Policy]:
     gain = dict(init_mean=1.0, eps_mult=1 / (m * d))  # vector-like inside blocks: LR lr, no decay [TP5, CP]
     return {
         # name: Policy(init std, LR multiplier, decayed, spec of one layer, Adam eps multiplier)
-        # embedding: constant init std and LR at every width; forward x alpha_in [TP5 input weights, mup, nGm]
-        "emb.embed": Policy(1.0, 1.0, True, (None, "fsdp"), eps_mult=1 / m),
+        # embedding: constant init std and LR at every width; forward x alpha_in [TP5 input weights, mup, nGm].
+        # Tied, std 1/sqrt(D/m) (1/sqrt(d_base) under muP: constant too) starts the logits at O(alpha_out), not
+        # O(alpha_out sqrt(d_base)): step-0 loss 129 -> 6.9 and val at 600 steps 1.99 -> 1.86 (BENCHMARKS.md)
+        "emb.embed": Policy(1 / math.sqrt(D / m) if cfg.tie_embeddings else 1.0, 1.0, True, (None, "fsdp"), eps_mult=1 / m),
         # readout: zero init (loss starts at ln V) [TP5], forward x alpha_out / m [mup MuReadout, nGm], LR lr
         # (vector-like: one dim grows). Tied, the shared array keeps emb.embed's row: the readout's other form,
         # constant init, with the same alpha_out / m.

@@ -79,6 +79,17 @@ def test_mup_is_sp_at_the_base_shape(tie):
         assert not all(np.allclose(a, b) for a, b in zip(after_far, after_sp))
 
 
+@pytest.mark.parametrize("m", [1.0, 4.0])
+def test_tied_logits_start_at_alpha_out_over_sqrt_m(m):
+    """Tied, each logit is alpha_out / m times a sum of D products of the RMS-1 final hidden state and the
+    embedding's N(0, 1 / (D / m)) entries: std alpha_out / sqrt(m) at init, O(1) at the base width, shrinking
+    with m as muP's logits do. (The embedding's std 1 gave 20 and 5 here.)"""
+    cfg = mup_tiny(d_model=128, n_head=8, d_base=int(128 / m), tie_embeddings=True, alpha_out=1.5)
+    gpt = M.init_gpt(cfg, jax.random.key(0))
+    logits = np.asarray(jax.vmap(gpt)(batch(cfg)[0][0]))
+    assert logits.std() == pytest.approx(1.5 / math.sqrt(m), rel=0.1)
+
+
 @pytest.mark.parametrize("m", [4.0, 0.5])
 def test_first_adam_step_sizes_follow_mup(m):
     """One Adam step from init (readout made nonzero, so every parameter has a gradient): each entry

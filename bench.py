@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import configs
-import launch
 from configs import Config, RunError, UsageError
 
 TORCH_BLOCKS = 6  # with --torch: JAX and PyTorch timed in this many alternating blocks, medians reported
@@ -199,7 +198,7 @@ def main() -> None:
             raise UsageError(f"--steps={args.steps} must be at least 1")
         if args.torch and importlib.util.find_spec("torch") is None:
             raise UsageError("--torch needs PyTorch, which is not installed: pip install torch")
-        cfg = launch.apply_overrides(configs.load(args.config), overrides)
+        cfg = configs.apply_overrides(configs.load(args.config), overrides)
         if args.trace:
             try:
                 Path(args.trace).mkdir(parents=True, exist_ok=True)

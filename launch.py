@@ -6,54 +6,19 @@ metrics.jsonl, tensorboard events, checkpoints/ (--debug: a profile of a few ste
 """
 import argparse
 import dataclasses
-import difflib
 import json
+import re
 import subprocess
 import sys
 import time
-import typing
 from pathlib import Path
 
 from etils import epath
 
 import configs
-from configs import Config, RunError, UsageError
+from configs import Config, RunError, UsageError, apply_overrides
 
 ROOT = Path(__file__).resolve().parent
-
-
-def parse_value(name: str, kind, text: str):
-    """text as the field's type: int, float, bool, str, or one of a Literal's values."""
-    if typing.get_origin(kind) is typing.Literal:
-        if text not in typing.get_args(kind):
-            raise UsageError(f"--config.{name}={text!r}: allowed values are {', '.join(typing.get_args(kind))}")
-        return text
-    if kind is bool:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise UsageError(f"--config.{name}={text!r}: expected true or false")
-        return text.lower() in ("true", "1")
-    if kind not in (int, float, str):
-        raise UsageError(f"--config.{name}: a field of type {kind} is set in a config module, not on the command line")
-    try:
-        return kind(text)
-    except ValueError:
-        raise UsageError(f"--config.{name}={text!r}: expected {kind.__name__}") from None
-
-
-def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply ["--config.FIELD=VALUE", ...]; an unknown field or a badly typed value is a UsageError."""
-    types = typing.get_type_hints(Config)
-    changes = {}
-    for arg in overrides:
-        if not arg.startswith("--config.") or "=" not in arg:
-            raise UsageError(f"unrecognised argument {arg!r}; overrides look like --config.FIELD=VALUE")
-        name, text = arg[len("--config."):].split("=", 1)
-        if name not in types:
-            near = difflib.get_close_matches(name, types, n=3)
-            raise UsageError(f"unknown config field {name!r}" + (f"; did you mean {' or '.join(near)}?" if near else
-                                                                   "; the fields are in configs/__init__.py"))
-        changes[name] = parse_value(name, types[name], text)
-    return dataclasses.replace(cfg, **changes)
 
 
 def git_state() -> dict:
@@ -126,10 +91,18 @@ def main(argv: list[str] | None = None) -> None:
         import jax  # after parsing: a typo should not wait for jax to load
 
         cfg.split_cpu()
+        given = [f for f in ("coordinator_address", "num_processes", "process_id") if getattr(args, f) is not None]
+        if given and not args.multihost:  # else each host would train alone, all in one run directory
+            raise UsageError(f"--{given[0]} is for multi-host runs: add --multihost")
         if args.multihost:
             if not args.rundir:
                 raise UsageError("--multihost needs --rundir: the default name's timestamp differs between hosts")
-            jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+            if args.coordinator_address and not re.fullmatch(r"\S+:\d+", args.coordinator_address):
+                raise UsageError(f"--coordinator_address={args.coordinator_address}: expected HOST:PORT")
+            try:
+                jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+            except ValueError as e:  # a missing or out-of-range flag, off a TPU VM or SLURM (which supply them)
+                raise UsageError(f"--multihost: {e} (off a TPU VM or SLURM: --coordinator_address, --num_processes, --process_id)") from None
         import checkpoint
         import data
         import train

@@ -91,7 +91,7 @@ def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
     multiplier, which XLA fuses into Adam's moment updates (optax's divide took a pass of its own, ~0.5 ms a CPU step)."""
     def clip(grads, state, params=None, grad_norm=None):  # the step passes its norm: XLA cannot reuse it in a cond
         norm = optax.tree.norm(grads) if grad_norm is None else grad_norm
-        return jax.tree.map(lambda g: g * jnp.minimum(1.0, cfg.grad_clip / norm), grads), state
+        return (jax.tree.map(lambda g: g * jnp.minimum(1.0, cfg.grad_clip / norm), grads) if cfg.grad_clip else grads), state
 
     return optax.chain(optax.GradientTransformationExtraArgs(lambda _: optax.EmptyState(), clip), scale_by_adam(cfg, table),
                        scale_by_policy(cfg, table))

@@ -2,9 +2,11 @@
 overrides only what differs (`config = replace(base, n_layer=48, ...)`) and launch.py overrides
 single fields from the command line (`--config.learning_rate=3e-4`)."""
 import dataclasses
+import difflib
 import importlib
 import math
 import pkgutil
+import typing
 from typing import Literal
 
 
@@ -74,7 +76,7 @@ class Config:
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # global gradient norm
+    grad_clip: float = 1.0  # global gradient norm; 0: no clipping (nanoGPT's convention)
 
     # evaluation and logging
     eval_interval: int = 500  # steps between evaluations (and the last step)
@@ -96,6 +98,20 @@ class Config:
     # A step with a non-finite loss, gradient or update is skipped (the state stays as it was); this
     # many in a row stop the run: the model has diverged and skipping will not bring it back.
     max_nonfinite: int = 10
+
+    def __post_init__(self):
+        """Each field's type, as a config module may set any value: param="muP" or tie_embeddings="false" would
+        otherwise train another model than config.json says, and "fp16" fail deep inside JAX."""
+        for name, kind in typing.get_type_hints(Config).items():
+            value, allowed = getattr(self, name), typing.get_args(kind)
+            if typing.get_origin(kind) is Literal and value not in allowed:
+                raise UsageError(f"{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
+            wrong = {bool: not isinstance(value, bool), str: not isinstance(value, str),  # float: mup.py passes tracers
+                     int: isinstance(value, bool) or not hasattr(value, "__index__"),
+                     float: value is None or isinstance(value, (bool, str))}
+            if wrong.get(kind, False):  # a field of another type (a user's float | None, say) is the user's to check
+                need = {bool: "true or false", str: "a string", int: "an integer"}.get(kind, "a number")
+                raise UsageError(f"{name}={value!r} must be {need}")
 
     @property
     def head_dim(self) -> int:
@@ -138,6 +154,12 @@ class Config:
 
     def check(self, n_devices: int) -> None:
         """Raise UsageError for a config that cannot run on n_devices, naming the field."""
+        for name in ("n_layer", "n_head", "d_model", "mlp_ratio", "block_size", "batch_size", "grad_accum", "max_steps",
+                     "eval_interval", "eval_batches", "log_interval", "vocab_size", "vocab_multiple", "scan_unroll",
+                     "ckpt_interval", "ckpt_keep", "max_nonfinite", "d_base", "depth_base", "loss_chunks", "cpu_devices",
+                     "mesh_replica", "steps_per_call"):  # first: the checks below divide by some of them
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
         fsdp = max(n_devices // self.mesh_replica, 1)  # mesh_replica > n_devices is reported below
         problems = [
             (self.d_model % self.n_head, f"d_model={self.d_model} is not divisible by n_head={self.n_head}"),
@@ -154,16 +176,16 @@ class Config:
             (not 0 <= self.weight_decay < 3e38, f"weight_decay={self.weight_decay} must be finite and >= 0"),
             (not self.adam_eps > 0, f"adam_eps={self.adam_eps} must be > 0: Adam divides by sqrt(v) + eps"),
             (not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1), f"beta1={self.beta1} and beta2={self.beta2} must be in [0, 1)"),
+            (self.min_lr > self.learning_rate, f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: the cosine decays to it"),
+            (self.warmup_steps < 0, f"warmup_steps={self.warmup_steps} must be >= 0"),  # above max_steps is allowed: a smoke run
+            (not 0 <= self.grad_clip < 3e38, f"grad_clip={self.grad_clip} must be finite and >= 0 (0: no clipping)"),
+            *((not 0 < getattr(self, f) < math.inf, f"{f}={getattr(self, f)} must be > 0 and finite")  # 1e39: a test's NaN
+              for f in ("rope_base", "alpha_in", "alpha_out", "attn_tau")),
+            (self.seed < 0, f"seed={self.seed} must be >= 0"),
         ]
         for bad, message in problems:
             if bad:
                 raise UsageError(message)
-        for name in ("n_layer", "n_head", "d_model", "block_size", "batch_size", "grad_accum", "max_steps",
-                     "eval_interval", "eval_batches", "log_interval", "vocab_size", "vocab_multiple", "scan_unroll",
-                     "ckpt_interval", "ckpt_keep", "max_nonfinite", "d_base", "depth_base", "loss_chunks", "cpu_devices",
-                     "steps_per_call"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
         for name in ("max_steps", "log_interval", "eval_interval", "ckpt_interval"):
             if getattr(self, name) % self.steps_per_call:
                 raise UsageError(f"{name}={getattr(self, name)} is not a multiple of steps_per_call={self.steps_per_call}: "
@@ -184,7 +206,48 @@ def available() -> list[str]:
 
 
 def load(name: str) -> Config:
-    """The `config` object of configs/<name>.py."""
+    """The `config` object of configs/<name>.py; a module that fails is one line naming the file."""
     if name not in available():
-        raise UsageError(f"unknown config {name!r}; available: {', '.join(available())}")
-    return importlib.import_module(f"configs.{name}").config
+        hint = f"--config={name[:-3]}" if name.endswith(".py") else f"available: {', '.join(available())}"
+        raise UsageError(f"unknown config {name!r}; {hint}")
+    try:
+        config = importlib.import_module(f"configs.{name}").config
+    except Exception as e:  # a syntax error, an unknown field, a bad value: the user's module, not mugpt
+        raise UsageError(f"configs/{name}.py: {e if isinstance(e, UsageError) else f'{type(e).__name__}: {e}'}") from None
+    if not isinstance(config, Config):
+        raise UsageError(f"configs/{name}.py: `config` is a {type(config).__name__}, not a Config: write config = Config(...)")
+    return config
+
+
+def parse_value(name: str, kind, text: str):
+    """text as the field's type: int, float, bool, str, or one of a Literal's values."""
+    if typing.get_origin(kind) is typing.Literal:
+        if text not in typing.get_args(kind):
+            raise UsageError(f"--config.{name}={text!r}: allowed values are {', '.join(typing.get_args(kind))}")
+        return text
+    if kind is bool:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise UsageError(f"--config.{name}={text!r}: expected true or false")
+        return text.lower() in ("true", "1")
+    if kind not in (int, float, str):
+        raise UsageError(f"--config.{name}: a field of type {kind} is set in a config module, not on the command line")
+    try:
+        return kind(text)
+    except ValueError:
+        raise UsageError(f"--config.{name}={text!r}: expected {kind.__name__}") from None
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """Apply ["--config.FIELD=VALUE", ...]; an unknown field or a badly typed value is a UsageError."""
+    types = typing.get_type_hints(Config)
+    changes = {}
+    for arg in overrides:
+        if not arg.startswith("--config.") or "=" not in arg:
+            raise UsageError(f"unrecognised argument {arg!r} (see --help); overrides look like --config.FIELD=VALUE")
+        name, text = arg[len("--config."):].split("=", 1)
+        if name not in types:
+            near = difflib.get_close_matches(name, types, n=3)
+            raise UsageError(f"unknown config field {name!r}" + (f"; did you mean {' or '.join(near)}?" if near else
+                                                                   "; the fields are in configs/__init__.py"))
+        changes[name] = parse_value(name, types[name], text)
+    return dataclasses.replace(cfg, **changes)

@@ -18,7 +18,6 @@ import pytest
 from etils import epath
 
 import configs
-import launch
 import train
 from checkpoint import Logger, checkpoint_manager, restore_checkpoint, save_checkpoint
 from configs import UsageError
@@ -51,7 +50,7 @@ def run(args: list[str], env: dict, prefix: tuple = ()) -> subprocess.CompletedP
 
 
 def tiny_config(*overrides: str) -> configs.Config:
-    return launch.apply_overrides(configs.load("shakespeare_char_cpu"), [*TINY[1:], *overrides])
+    return configs.apply_overrides(configs.load("shakespeare_char_cpu"), [*TINY[1:], *overrides])
 
 
 def launch_args(rundir, *overrides: str) -> list[str]:

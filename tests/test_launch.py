@@ -1,17 +1,18 @@
 """The CLI: typed overrides, one-line errors for bad input, and a short run end to end."""
+import dataclasses
 import json
 import os
 
+import numpy as np
 import pytest
 
 import configs
-import launch
 from configs import UsageError
 from conftest import ROOT, run
 
 
 def test_overrides_parse_to_the_field_types():
-    cfg = launch.apply_overrides(configs.load("shakespeare_char_cpu"), [
+    cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), [
         "--config.learning_rate=3e-4", "--config.n_layer=2", "--config.tie_embeddings=true",
         "--config.remat=save_dots", "--config.dataset=mine"])
     assert (cfg.learning_rate, cfg.n_layer, cfg.tie_embeddings, cfg.remat, cfg.dataset) == (3e-4, 2, True, "save_dots", "mine")
@@ -29,14 +30,75 @@ def test_overrides_parse_to_the_field_types():
 ])
 def test_bad_overrides_name_the_field(arg, message):
     with pytest.raises(UsageError, match=message):
-        launch.apply_overrides(configs.load("shakespeare_char_cpu"), [arg])
+        configs.apply_overrides(configs.load("shakespeare_char_cpu"), [arg])
 
 
 @pytest.mark.parametrize("kind", [tuple[int, int], list[int], float | None])
 def test_a_field_type_the_command_line_cannot_parse_is_one_line(kind):
     """A field a researcher adds with a type parse_value does not know: an error, not tuple("2,4") or a TypeError."""
     with pytest.raises(UsageError, match=r"^--config.sizes: a field of type .* is set in a config module"):
-        launch.parse_value("sizes", kind, "2,4")
+        configs.parse_value("sizes", kind, "2,4")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("grad_clip", -1.0, "grad_clip=-1.0 must be finite and >= 0 (0: no clipping)"),  # a negative one flips the gradient
+    ("min_lr", 1.0, "min_lr=1.0 is above learning_rate=0.004"),  # the "decay" would raise the LR
+    ("warmup_steps", -5, "warmup_steps=-5 must be >= 0"),
+    ("rope_base", 0.0, "rope_base=0.0 must be > 0 and finite"),
+    ("alpha_out", 0.0, "alpha_out=0.0 must be > 0 and finite"),
+    ("seed", -1, "seed=-1 must be >= 0"),  # numpy's generator would fail after the run directory is written
+    ("mlp_ratio", 0, "mlp_ratio=0 must be at least 1"),  # a ZeroDivisionError in model.policy_rows
+    ("mesh_replica", 0, "mesh_replica=0 must be at least 1"),  # a ZeroDivisionError in check itself
+    ("cpu_devices", 0, "cpu_devices=0 must be at least 1"),  # reported as a mesh_replica problem before
+])
+def test_bad_values_name_the_field(field, value, message):
+    cfg = configs.load("shakespeare_char_cpu")
+    cfg.check(2)  # control: the config itself passes
+    with pytest.raises(UsageError) as e:
+        dataclasses.replace(cfg, **{field: value}).check(2)
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("param", "muP", "param='muP': allowed values are 'sp', 'mup'"),  # trained SP while config.json said muP
+    ("tie_embeddings", "false", "tie_embeddings='false' must be true or false"),  # a non-empty string is truthy
+    ("compute_dtype", "fp16", "compute_dtype='fp16': allowed values are 'float32', 'bfloat16'"),
+    ("batch_size", 12.0, "batch_size=12.0 must be an integer"),
+    ("n_layer", "2", "n_layer='2' must be an integer"),
+    ("learning_rate", "1e-3", "learning_rate='1e-3' must be a number"),
+    ("min_lr", None, "min_lr=None must be a number"),
+    ("dataset", 3, "dataset=3 must be a string"),
+])
+def test_a_config_module_value_of_the_wrong_type_is_refused(field, value, message):
+    """A config module sets fields in Python, past the command line's parsing: Config checks each type itself.
+    Numbers pass where they belong (an int for a float field, numpy's integers)."""
+    with pytest.raises(UsageError) as e:
+        configs.Config(**{field: value})
+    assert str(e.value) == message
+    configs.Config(learning_rate=1, n_layer=np.int64(3), param="mup", tie_embeddings=True)
+
+
+MODULES = [  # (configs/NAME.py's text, what the one line must say after "error: configs/NAME.py: ")
+    ("from configs import Config\nconfig = Config(n_layer=2\n", "SyntaxError: '(' was never closed ({name}.py, line 2)"),
+    ("from configs import Config\nconfg = Config()\n", "AttributeError: module 'configs.{name}' has no attribute 'config'"),
+    ("from configs import Config\nconfig = Config(n_layers=2)\n", "TypeError: Config.__init__() got an unexpected keyword argument 'n_layers'"),
+    ("config = dict(n_layer=2)\n", "`config` is a dict, not a Config: write config = Config(...)"),
+    ("from dataclasses import replace\nfrom configs.shakespeare_char_cpu import config as base\n"
+     "config = replace(base, param='muP')\n", "param='muP': allowed values are 'sp', 'mup'"),
+]
+
+
+@pytest.mark.parametrize("text,message", MODULES)
+def test_a_broken_config_module_is_one_line(shakespeare, tmp_path, text, message):
+    name = f"broken_{MODULES.index((text, message))}"
+    module = ROOT / "configs" / f"{name}.py"
+    module.write_text(text)
+    try:
+        r = run(["launch.py", f"--config={name}", f"--rundir={tmp_path / 'run'}"])
+    finally:
+        module.unlink()
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"error: configs/{name}.py: {message.format(name=name)}"], r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_every_config_module_loads_and_checks():
@@ -61,6 +123,12 @@ BAD_INPUTS = [  # (arguments after --config=shakespeare_char_cpu, what the one l
     (["--config.adam_eps=0"], "adam_eps=0.0 must be > 0"),
     (["--config.max_steps=33"], "max_steps=33 is not a multiple of steps_per_call=5"),
     (["--config.steps_per_call=0"], "steps_per_call=0 must be at least 1"),
+    (["--config=shakespeare_char_cpu.py"], "unknown config 'shakespeare_char_cpu.py'; --config=shakespeare_char_cpu"),
+    # multi-host flags: without --multihost each host would train alone into the shared run directory
+    (["--process_id=1", "--num_processes=2", "--coordinator_address=127.0.0.1:1234"], "--coordinator_address is for multi-host runs: add --multihost"),
+    (["--multihost", "--coordinator_address=127.0.0.1:1234", "--num_processes=2"], "--multihost: The process id of the current process must be defined"),
+    (["--multihost", "--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=5"], "process_id < num_processes"),
+    (["--multihost", "--coordinator_address=nohost", "--num_processes=1", "--process_id=0"], "--coordinator_address=nohost: expected HOST:PORT"),
 ]
 
 

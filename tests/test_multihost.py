@@ -13,7 +13,6 @@ import pytest
 from etils import epath
 
 import configs
-import launch
 import train
 from checkpoint import checkpoint_manager, restore_checkpoint
 from conftest import ROOT, TINY_RUN
@@ -107,7 +106,7 @@ def test_two_processes_train_as_one(shakespeare, tmp_path, env, replica):
           f"step {STEPS} loss {a[STEPS]['loss']:.6f} vs {b[STEPS]['loss']:.6f}")
     assert max(diffs) <= 1e-6
 
-    cfg = launch.apply_overrides(configs.load("shakespeare_char_cpu"), [*TINY[1:], mesh])
+    cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), [*TINY[1:], mesh])
     state_one, state_two = restored(one, cfg), restored(two, cfg)
     assert len(state_one) == len(state_two)
     worst = max(float(np.abs(x - y).max()) for x, y in zip(state_one, state_two))

@@ -86,6 +86,19 @@ def test_clip_is_optax_clip_by_global_norm():
             np.testing.assert_allclose(z, y, rtol=1e-5, atol=1e-9)
 
 
+def test_grad_clip_0_is_no_clipping():
+    """nanoGPT's convention: grad_clip=0 turns clipping off (a min(1, 0 / norm) multiplier zeroed every gradient)."""
+    cfg = tiny(adam_eps=1.0, grad_clip=0.0)  # a large eps: Adam's first update then depends on the gradients' size
+    s = train.setup(cfg, train.make_mesh(cfg))
+    params, table = eqx.filter(s.model, eqx.is_array), train.policy_table(s.model, cfg)
+    ours, plain = train.make_optimizer(cfg, table), optax.chain(train.scale_by_adam(cfg, table), train.scale_by_policy(cfg, table))
+    grads = jax.tree.map(lambda p: np.full(p.shape, 100.0, np.float32), params)
+    for x, y in zip(jax.tree.leaves(ours.update(grads, ours.init(params), params)[0]),
+                    jax.tree.leaves(plain.update(grads, plain.init(params), params)[0])):
+        np.testing.assert_allclose(x, y, rtol=1e-6)
+        assert np.abs(x).max() > 0
+
+
 def test_lr_schedule_warmup_then_cosine():
     cfg = tiny(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
     lr = train.lr_schedule(cfg)

@@ -69,6 +69,18 @@ def check_resume(rundir: epath.Path, cfg: Config) -> None:
         raise UsageError(f"the checkpoint is at step {latest}, not a multiple of steps_per_call={K}: resume with a divisor of it")
 
 
+def record_dataset(rundir: epath.Path, meta: dict, where) -> None:
+    """RUNDIR/dataset.json: the dataset's meta.json as the run first trained on it. sample.py decodes with it
+    whatever becomes of the dataset; a resume on a dataset prepared again (another vocabulary, other token
+    counts: other text behind the same ids and offsets) is refused, not trained on. launch.py calls it."""
+    path = rundir / "dataset.json"
+    if path.exists() and (old := json.loads(path.read_text())) != meta:
+        key = next(k for k in sorted(old.keys() | meta.keys()) if old.get(k) != meta.get(k))
+        raise UsageError(f"{where} is not the dataset {rundir} trained on ({key} {str(old.get(key))[:30]} in its dataset.json, "
+                         f"{str(meta.get(key))[:30]} now): prepare it as it was, or start a new --rundir")
+    path.write_text(json.dumps(meta, indent=1))
+
+
 @eqx.filter_jit
 def all_finite(tree) -> jax.Array:
     return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree) if eqx.is_array(x)]).all()

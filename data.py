@@ -10,9 +10,11 @@ else uint32) and meta.json (vocabulary, dtype, token counts, and how to encode/d
 import argparse
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
+import re
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +26,7 @@ ROOT = Path(__file__).resolve().parent
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 HF_SOURCES = {"openwebtext": "Skylion007/openwebtext"}
+TEXT_SUFFIXES = (".txt", ".json", ".jsonl")  # what a folder is searched for; a glob's matches are text unless .json/.jsonl
 # Streams of the (seed, stream, step) batch generator: training batches and the two fixed eval sets.
 TRAIN, EVAL_TRAIN, EVAL_VAL = 0, 1, 2
 
@@ -41,87 +44,110 @@ def write_dataset(out: Path, splits: dict, vocab_size: int, tokenizer: dict) -> 
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     counts = {}
     for split, chunks in splits.items():
-        counts[f"{split}_tokens"] = 0
-        with open(out / f"{split}.bin", "wb") as f:
+        counts[f"{split}_tokens"], tmp = 0, out / f"{split}.bin.tmp"
+        with open(tmp, "wb") as f:  # then renamed: a run's memmap of the old file keeps its inode (not a SIGBUS)
             for chunk in map(np.asarray, chunks):
                 assert chunk.size == 0 or 0 <= int(chunk.min()) <= int(chunk.max()) < vocab_size
                 chunk.astype(dtype).tofile(f)
                 counts[f"{split}_tokens"] += chunk.size
+        os.replace(tmp, out / f"{split}.bin")
     meta = {"vocab_size": vocab_size, "dtype": np.dtype(dtype).name, **counts, "tokenizer": tokenizer}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
+    print(f"{out}: {counts['train_tokens']:,} train and {counts['val_tokens']:,} val tokens, vocab {vocab_size}")
 
 
 def prepare_shakespeare_char(out: Path) -> None:
     """Characters of tiny-shakespeare: the first 90% train, the last 10% val (as nanoGPT)."""
     src = out / "input.txt"
     if not src.exists():
-        out.mkdir(parents=True, exist_ok=True)
         print(f"downloading {SHAKESPEARE_URL}")
-        urllib.request.urlretrieve(SHAKESPEARE_URL, src)
+        try:  # read whole (1 MB) before writing: a failed download leaves no partial input.txt
+            text = urllib.request.urlopen(SHAKESPEARE_URL, timeout=60).read()
+        except Exception as e:  # offline (URLError), a timeout, a cut-off read
+            raise UsageError(f"cannot download {SHAKESPEARE_URL} ({e}): get internet, or put the file at {src}") from None
+        out.mkdir(parents=True, exist_ok=True)
+        src.write_bytes(text)
     if hashlib.sha256(src.read_bytes()).hexdigest() != SHAKESPEARE_SHA256:
         raise UsageError(f"{src} does not have the tiny-shakespeare sha256 {SHAKESPEARE_SHA256}; delete it to download again")
-    text = src.read_text()
-    chars = sorted(set(text))
-    index = {c: i for i, c in enumerate(chars)}
-    ids = np.fromiter((index[c] for c in text), dtype=np.int64, count=len(text))
+    chars, ids = np.unique(list(src.read_text()), return_inverse=True)  # the sorted characters, and each one's index
     n = int(len(ids) * 0.9)
     write_dataset(out, {"train": [ids[:n]], "val": [ids[n:]]}, len(chars), {"kind": "char", "chars": "".join(chars)})
 
 
-def prepare_text(out: Path, source: str, text_field: str = "text", val_fraction: float = 0.0005) -> None:
-    """GPT-2 BPE (tiktoken, encode_ordinary + <|endoftext|> after each document) of a HF dataset id
-    or of local files; the split and shard-wise writing follow nanoGPT's prepare.py."""
-    import datasets
-    import tiktoken
+def documents(files: list[str], text_field: str, stamp=None):
+    """{text_field: text} for each document of local files: a record of a .json/.jsonl file (JSON lines: an object
+    a line), a paragraph of any other file (lines up to a blank line). A bad file is a UsageError naming it.
+    `stamp` only keys datasets' cache of the documents: the files' sizes and times, and this code."""
+    for name in files:
+        n = 0  # the records read, for the error
+        try:
+            with open(name, encoding="utf-8") as f:
+                records = map(json.loads, filter(str.strip, f)) if Path(name).suffix.lower() in (".json", ".jsonl") else \
+                    ({text_field: "".join(p).rstrip("\n")} for blank, p in itertools.groupby(f, str.isspace) if not blank)
+                for n, record in enumerate(records, 1):
+                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+                        raise UsageError(f"{name}: {str(record)[:60]} has no {text_field!r} text: pass --text_field, or fix it")
+                    yield {text_field: record[text_field]}
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{name} is not UTF-8 text ({e}): convert it, or leave it out") from None
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{name}, record {n + 1}: {e}; write one JSON object a line, or name the file .txt") from None
 
-    enc = tiktoken.get_encoding("gpt2")
-    files = sorted(glob.glob(source, recursive=True)) if not Path(source).is_dir() else \
-        sorted(str(p) for p in Path(source).iterdir() if p.suffix in (".txt", ".json", ".jsonl"))
-    if files:  # local corpus: .txt split into paragraphs (blank lines), .json/.jsonl one document per record
-        kind = "text" if files[0].endswith(".txt") else "json"
-        kwargs = {"sample_by": "paragraph"} if kind == "text" else {}
-        ds = datasets.load_dataset(kind, data_files=files, split="train", **kwargs)
+
+def prepare_text(out: Path, source: str, text_field: str = "text", val_fraction: float | None = None) -> None:
+    """GPT-2 BPE (tiktoken, encode_ordinary + <|endoftext|> after each document) of a HF dataset id
+    or of local files; the shuffled split by documents and shard-wise writing follow nanoGPT's prepare.py."""
+    import datasets
+
+    if val_fraction is not None and not 0 < val_fraction < 1:
+        raise UsageError(f"--val_fraction={val_fraction} is not between 0 and 1")
+    matches = glob.glob(os.path.expanduser(source), recursive=True)  # a folder among them: its files, recursively
+    files = sorted({str(p) for m in map(Path, matches) for p in (m.rglob("*") if m.is_dir() else [m])
+                    if p.is_file() and (p == m or p.suffix.lower() in TEXT_SUFFIXES)})
+    enc = encoding("gpt2")
+    if files:
+        stamp = repr([Path(__file__).read_text()] + [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files])
+        try:
+            ds = datasets.Dataset.from_generator(documents, gen_kwargs=dict(files=files, text_field=text_field, stamp=stamp))
+        except datasets.exceptions.DatasetGenerationError as e:  # around documents' UsageError; no documents: SchemaInference
+            if isinstance(e.__cause__, datasets.arrow_writer.SchemaInferenceError):
+                raise UsageError(f"{source} holds no text: its files are empty or blank") from None
+            raise e.__cause__ if isinstance(e.__cause__, UsageError) else e
+    elif matches or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source) or Path(source).suffix.lower() in TEXT_SUFFIXES \
+            or os.path.isdir(Path(source).parts[0]):  # a path, not a Hub id: fail now, not after ~25 s of Hub retries
+        raise UsageError(f"no files in {source!r} (folders are searched for .txt/.json/.jsonl): check it, or quote a glob")
     else:
         try:
             ds = datasets.load_dataset(source, split="train", trust_remote_code=False)
         except Exception as e:  # not found, no network, ...: datasets' own reason, on one line
-            reason = " ".join(str(e).split())[:300]
             raise UsageError(f"no local files match {source!r}, and as a Hugging Face dataset id it failed: "
-                             f"{type(e).__name__}: {reason}") from None
+                             f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
     if text_field not in ds.column_names:
         raise UsageError(f"{source} has no field {text_field!r} (fields: {ds.column_names}); pass --text_field")
-    if len(ds) < 2:
-        raise UsageError(f"{source} has {len(ds)} document(s); at least 2 are needed for a train/val split")
-    split = ds.train_test_split(test_size=max(1, round(val_fraction * len(ds))), seed=2357, shuffle=True)
-    encode = lambda row: {"ids": enc.encode_ordinary(row[text_field]) + [enc.eot_token]}
+    if len(ds) < 2:  # a text file's documents are its paragraphs
+        raise UsageError(f"{source} has {len(ds)} document(s); a train/val split needs 2 (separate them by blank lines)")
+    # nanoGPT holds out 0.0005 of openwebtext's 8M documents (~4000); a small corpus needs a larger share
+    n_val = round(val_fraction * len(ds)) if val_fraction else max(min(len(ds) // 10, 1000), round(0.0005 * len(ds)))
+    split = ds.train_test_split(test_size=min(max(1, n_val), len(ds) - 1), seed=2357, shuffle=True)
     nproc = max(1, min(8, (os.cpu_count() or 2) // 2)) if len(ds) > 1000 else None
+    tokens = split.map(lambda row: {"ids": enc.encode_ordinary(row[text_field]) + [enc.eot_token]},
+                       remove_columns=ds.column_names, num_proc=nproc, desc="tokenizing")
 
-    def chunks(part, name: str):  # the ids shard by shard, each read from datasets' on-disk cache in turn
-        tokens = part.map(encode, remove_columns=part.column_names, num_proc=nproc, desc=f"tokenizing {name}")
-        shards = min(1024, len(tokens))
-        return (np.concatenate(tokens.shard(shards, i, contiguous=True).with_format("numpy")["ids"]) for i in range(shards))
+    def chunks(part):  # the ids shard by shard (1/1024 of a split), each read in turn from datasets' on-disk cache
+        n = min(1024, len(part))
+        return (np.concatenate(part.shard(n, i, contiguous=True).with_format("numpy")["ids"]) for i in range(n))
 
-    write_dataset(out, {"train": chunks(split["train"], "train"), "val": chunks(split["test"], "val")}, enc.n_vocab,
+    write_dataset(out, {"train": chunks(tokens["train"]), "val": chunks(tokens["test"])}, enc.n_vocab,
                   {"kind": "tiktoken", "encoding": "gpt2"})
 
 
-def tokenizer(meta: dict):
-    """(encode, decode) between text and token ids, as meta.json's tokenizer entry says."""
-    tok = meta["tokenizer"]
-    if tok["kind"] == "char":
-        index = {c: i for i, c in enumerate(tok["chars"])}
-
-        def encode(text: str) -> list[int]:
-            unknown = sorted(set(text) - index.keys())
-            if unknown:
-                raise UsageError(f"characters {''.join(unknown)!r} are not in the dataset's vocabulary")
-            return [index[c] for c in text]
-
-        return encode, lambda ids: "".join(tok["chars"][i] for i in ids)
+def encoding(name: str):
     import tiktoken
-
-    enc = tiktoken.get_encoding(tok["encoding"])
-    return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # its files are fetched once into its cache (TIKTOKEN_CACHE_DIR): offline, a ConnectionError
+        raise UsageError(f"cannot load tiktoken's {name} encoding ({type(e).__name__}): get internet, or set "
+                         f"TIKTOKEN_CACHE_DIR to a folder of its cached files") from None
 
 
 def read_meta(cfg: Config) -> dict:
@@ -130,23 +156,12 @@ def read_meta(cfg: Config) -> dict:
         prepare_shakespeare_char(path.parent)
     if not path.exists():
         raise UsageError(f"no dataset at {path.parent}: prepare it with `python data.py {cfg.dataset}`")
-    return json.loads(path.read_text())
-
-
-def run_tokenizer(rundir, cfg: Config, launching: bool = False) -> dict:
-    """meta.json's vocab_size and tokenizer as the run has them: launch.py keeps a copy in RUNDIR/tokenizer.json,
-    so that sample.py decodes a run whatever becomes of its dataset, and a resume refuses a dataset that
-    was prepared again with another vocabulary (its token ids would mean other text)."""
-    path = rundir / "tokenizer.json"
-    if path.exists() and not launching:
-        return json.loads(path.read_text())
-    meta = read_meta(cfg)
-    meta = {"vocab_size": meta["vocab_size"], "tokenizer": meta["tokenizer"]}
-    if launching and path.exists() and json.loads(path.read_text()) != meta:
-        raise UsageError(f"{data_dir(cfg)} has another vocabulary than the one {rundir} trained with ({path}): "
-                         f"prepare the dataset as it was, or start a new --rundir")
-    if launching:
-        path.write_text(json.dumps(meta, indent=1))
+    try:  # what load_split and tokenizer read, so that a hand-edited file is one line, not a KeyError
+        meta = json.loads(path.read_text())
+        np.dtype(meta["dtype"]), int(meta["vocab_size"]), int(meta["train_tokens"]), int(meta["val_tokens"])
+        meta["tokenizer"]["chars" if meta["tokenizer"]["kind"] == "char" else "encoding"]
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{path} is corrupt: rerun `python data.py {cfg.dataset}`") from None
     return meta
 
 
@@ -168,8 +183,9 @@ def load_split(cfg: Config, split: str) -> np.ndarray:
     if tokens.size <= 2**28 and tokens.size and int(tokens.max()) >= meta["vocab_size"]:  # a scan costs < 1 s
         raise UsageError(f"{path} holds token id {int(tokens.max())} >= its vocab_size {meta['vocab_size']}: corrupt; {redo}")
     if tokens.size < cfg.block_size + 2:
+        more = ", or prepare it again with a larger --val_fraction" if split == "val" and cfg.dataset != "shakespeare_char" else ""
         raise UsageError(f"block_size={cfg.block_size} is longer than the {split} split of {cfg.dataset} "
-                         f"({tokens.size} tokens); lower --config.block_size")
+                         f"({tokens.size} tokens); lower --config.block_size{more}")
     return tokens
 
 
@@ -204,21 +220,23 @@ def global_batch(tokens: np.ndarray, seed: int, stream: int, step: int | range, 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", help="dataset name: the folder under data/ (shakespeare_char, openwebtext, ...)")
-    ap.add_argument("--source", help="HF dataset id, a folder, or a glob of local .txt/.json/.jsonl files")
+    ap.add_argument("--source", help="HF dataset id, or local files: a file, a quoted glob, a folder (searched recursively)")
     ap.add_argument("--text_field", default="text", help="the text column of a HF or JSON dataset")
+    ap.add_argument("--val_fraction", type=float, help="the documents held out for val (default: 10%%, <= 1000, >= 0.0005)")
     args = ap.parse_args()
     out = ROOT / Config.data_root / args.name
     try:
-        if args.name == "shakespeare_char":
+        if args.name == "shakespeare_char" and (args.source or args.val_fraction is not None):
+            raise UsageError("shakespeare_char is the fixed tiny-shakespeare text (no --source, --val_fraction): "
+                             "for your own text, use another NAME")
+        elif args.name == "shakespeare_char":
             prepare_shakespeare_char(out)
         elif args.source or args.name in HF_SOURCES:
-            prepare_text(out, args.source or HF_SOURCES[args.name], args.text_field)
+            prepare_text(out, args.source or HF_SOURCES[args.name], args.text_field, args.val_fraction)
         else:
             raise UsageError(f"don't know where {args.name!r} comes from: pass --source=HF_ID or --source='files/*.txt'")
     except UsageError as e:
         raise SystemExit(f"error: {e}")
-    meta = json.loads((out / "meta.json").read_text())
-    print(f"{out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, vocab {meta['vocab_size']}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Train a GPT:  python launch.py --config=NAME [--rundir=DIR] [--debug] [--multihost] [--config.FIELD=VALUE ...]
 
 The config is configs/NAME.py with typed overrides from the command line. The run directory (default
-runs/NAME-TIMESTAMP, or gs://...) gets config.json, run.json (git commit, dirty tree, command), tokenizer.json,
+runs/NAME-TIMESTAMP, or gs://...) gets config.json, run.json (git commit, dirty tree, command), dataset.json,
 metrics.jsonl, tensorboard events, checkpoints/ (--debug: a profile of a few steps instead); an existing one resumes.
 """
 import argparse
@@ -61,7 +61,7 @@ def open_rundir(args, cfg: Config) -> epath.Path:
             run["resumed"] = run.get("resumed", []) + [launch]
         rundir.mkdir(parents=True, exist_ok=True)
         checkpoint.lock_rundir(rundir)
-        data.run_tokenizer(rundir, cfg, launching=True)  # a copy for sample.py; a resume checks the dataset's
+        checkpoint.record_dataset(rundir, data.read_meta(cfg), data.data_dir(cfg))  # for sample.py; resumes compare
         (rundir / "run.json").write_text(json.dumps(run, indent=1))
         (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))  # last: it marks a run
     except OSError as e:

@@ -150,7 +150,23 @@ def preview(model: GPT, cfg: Config, prompt: list[int], n: int = 128) -> str:
     meta = data.read_meta(cfg)
     tokens_1N = generate(model, prompt_window(prompt, cfg.block_size), jax.random.key(cfg.seed), jnp.float32(1.0),
                          num_samples=1, max_new_tokens=n, n_vocab=meta["vocab_size"])
-    return data.tokenizer(meta)[1](prompt + jax.device_get(tokens_1N)[0].tolist())
+    return tokenizer(meta)[1](prompt + jax.device_get(tokens_1N)[0].tolist())
+
+
+def tokenizer(meta: dict):
+    """(encode, decode) between text and token ids, as the tokenizer entry of a dataset's meta.json says."""
+    tok = meta["tokenizer"]
+    if tok["kind"] == "char":
+        index = {c: i for i, c in enumerate(tok["chars"])}
+
+        def encode(text: str) -> list[int]:
+            if unknown := sorted(set(text) - index.keys()):
+                raise UsageError(f"characters {''.join(unknown)!r} are not in the dataset's vocabulary")
+            return [index[c] for c in text]
+
+        return encode, lambda ids: "".join(tok["chars"][i] for i in ids)
+    enc = data.encoding(tok["encoding"])
+    return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))
 
 
 def read_config(rundir: epath.Path) -> Config:
@@ -233,7 +249,8 @@ def main(argv: list[str] | None = None) -> None:
         check_args(args)
         rundir = epath.Path(args.rundir)  # local, or gs://
         cfg = read_config(rundir)
-        encode, decode = data.tokenizer(meta := data.run_tokenizer(rundir, cfg))
+        record = rundir / "dataset.json"  # launch.py's copy of the dataset's meta.json (runs before it: the dataset's)
+        encode, decode = tokenizer(meta := json.loads(record.read_text()) if record.exists() else data.read_meta(cfg))
         prompt = encode(read_prompt(args.start))
         if len(prompt) > cfg.block_size:
             print(f"note: the prompt has {len(prompt)} tokens; keeping its last block_size={cfg.block_size}", file=sys.stderr)

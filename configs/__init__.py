@@ -182,6 +182,7 @@ class Config:
             *((not 0 < getattr(self, f) < math.inf, f"{f}={getattr(self, f)} must be > 0 and finite")  # 1e39: a test's NaN
               for f in ("rope_base", "alpha_in", "alpha_out", "attn_tau")),
             (self.seed < 0, f"seed={self.seed} must be >= 0"),
+            (not self.dataset, f"dataset is empty: name a folder of {self.data_root}/ (`python data.py NAME` makes one)"),
         ]
         for bad, message in problems:
             if bad:

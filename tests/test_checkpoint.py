@@ -327,20 +327,21 @@ def test_ctrl_c_during_startup_is_one_line_and_the_run_resumes(shakespeare, tmp_
     assert run(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), env).returncode == 0
 
 
-def test_the_run_keeps_its_vocabulary(shakespeare, tmp_path, env):
-    """launch.py copies the dataset's vocabulary into the run directory; a resume on the dataset prepared
-    again with another vocabulary (here every letter's case swapped: the same size, other text) is refused."""
+def test_the_run_keeps_its_dataset_record(shakespeare, tmp_path, env):
+    """launch.py copies the dataset's meta.json into the run directory (dataset.json); a resume on the dataset
+    prepared again with another vocabulary (here every letter's case swapped: the same size, other text) is
+    refused and writes nothing."""
     data_root = tmp_path / "data"
     shutil.copytree(shakespeare, data_root / "shakespeare_char", ignore=shutil.ignore_patterns("input.txt"))
     rundir, meta_path = tmp_path / "run", data_root / "shakespeare_char" / "meta.json"
     assert run(launch_args(rundir, "--config.max_steps=4", f"--config.data_root={data_root}"), env).returncode == 0
     meta = json.loads(meta_path.read_text())
-    assert json.loads((rundir / "tokenizer.json").read_text()) == {k: meta[k] for k in ("vocab_size", "tokenizer")}
+    assert json.loads((rundir / "dataset.json").read_text()) == meta
     meta["tokenizer"]["chars"] = meta["tokenizer"]["chars"].swapcase()
     meta_path.write_text(json.dumps(meta))
-    before = {name: (rundir / name).read_text() for name in ("config.json", "run.json", "tokenizer.json")}
+    before = {name: (rundir / name).read_text() for name in ("config.json", "run.json", "dataset.json")}
     r = run(launch_args(rundir, "--config.max_steps=8", f"--config.data_root={data_root}"), env)
-    assert_one_line_error(r, f"{data_root / 'shakespeare_char'} has another vocabulary than the one {rundir} trained with")
+    assert_one_line_error(r, f"{data_root / 'shakespeare_char'} is not the dataset {rundir} trained on (tokenizer ")
     assert {name: (rundir / name).read_text() for name in before} == before and committed_steps(rundir) == [4]
 
 

@@ -2,13 +2,16 @@
 import dataclasses
 import hashlib
 import json
+import re
+import time
 
 import numpy as np
 import pytest
 
 import data
+import sample
 from configs import UsageError
-from conftest import tiny
+from conftest import run, tiny
 
 
 def test_shakespeare_char_counts(shakespeare):
@@ -18,11 +21,11 @@ def test_shakespeare_char_counts(shakespeare):
     assert meta["dtype"] == "uint16"
     train = data.load_split(tiny(), "train")
     assert isinstance(train, np.memmap) and train.size == 1_003_854
-    encode, decode = data.tokenizer(meta)
+    encode, decode = sample.tokenizer(meta)
     text = (shakespeare / "input.txt").read_text()
     assert decode(train[:1000].tolist()) == text[:1000]  # the bins hold the text itself
-    sample = "First Citizen:\nBefore we proceed any further, hear me speak."
-    assert decode(encode(sample)) == sample
+    line = "First Citizen:\nBefore we proceed any further, hear me speak."
+    assert decode(encode(line)) == line
     with pytest.raises(UsageError, match="not in the dataset's vocabulary"):
         encode("café")
 
@@ -63,9 +66,99 @@ def test_gpt2_bpe_on_a_local_corpus(tmp_path, source):
     assert meta["val_tokens"] > 0 and meta["train_tokens"] > meta["val_tokens"]
 
 
-def test_a_source_that_matches_nothing_is_one_line(tmp_path):
-    with pytest.raises(UsageError, match="no local files match .*none\\*.txt.*FileNotFoundError"):
-        data.prepare_text(tmp_path / "out", str(tmp_path / "none*.txt"))
+def eot_counts(out):
+    """The documents in each split: <|endoftext|> ends each one (GPT-2's id 50256)."""
+    return [int((np.fromfile(out / f"{split}.bin", dtype=np.uint16) == 50256).sum()) for split in ("train", "val")]
+
+
+@pytest.mark.parametrize("n_docs, val_fraction, n_val", [(200, None, 20), (10_500, None, 1000), (200, 0.25, 50)])
+def test_val_split_is_a_tenth_of_the_documents_at_most_1000(tmp_path, n_docs, val_fraction, n_val):
+    (tmp_path / "c.txt").write_text("\n\n".join(f"d{i}" for i in range(n_docs)))
+    data.prepare_text(tmp_path / "out", str(tmp_path / "c.txt"), val_fraction=val_fraction)
+    assert eot_counts(tmp_path / "out") == [n_docs - n_val, n_val]
+
+
+def test_a_source_that_matches_nothing_fails_at_once(tmp_path):
+    for source in [tmp_path / "none*.txt", tmp_path / "none.txt", "data/no_such_corpus", tmp_path]:  # tmp_path: empty
+        start = time.monotonic()
+        with pytest.raises(UsageError, match=f"no files in '{re.escape(str(source))}'.*check it, or quote a glob"):
+            data.prepare_text(tmp_path / "out", str(source))
+        assert time.monotonic() - start < 5  # not the Hub's ~25 s of retries
+    with pytest.raises(UsageError, match="--val_fraction=1.0 is not between 0 and 1"):
+        data.prepare_text(tmp_path / "out", str(tmp_path), val_fraction=1.0)
+
+
+def test_any_suffix_is_text_folders_are_searched_and_each_file_is_read_by_its_kind(tmp_path):
+    import tiktoken
+
+    (tmp_path / "corpus" / "sub" / "deeper").mkdir(parents=True)
+    (tmp_path / "corpus" / "sub" / "deeper" / "a.TXT").write_text("alpha one\nline two\n\n\n  \nalpha three\n")
+    (tmp_path / "corpus" / "sub" / "b.jsonl").write_text('{"text": "json doc\\n\\nwith a blank line", "id": 1}\n\n{"text": "json two"}\n')
+    (tmp_path / "corpus" / "notes.md").write_text("md one\n\nmd two")  # not .txt: a folder search passes over it
+    enc = tiktoken.get_encoding("gpt2")
+    for source, docs in [(tmp_path / "corpus", ["alpha one\nline two", "alpha three", "json doc\n\nwith a blank line", "json two"]),
+                         (tmp_path / "corpus" / "*.md", ["md one", "md two"])]:
+        data.prepare_text(tmp_path / "out", str(source))
+        ids = np.concatenate([np.fromfile(tmp_path / "out" / f"{split}.bin", dtype=np.uint16) for split in ("train", "val")])
+        assert sorted(enc.decode(ids.tolist()).split("<|endoftext|>")) == sorted(docs + [""])
+
+
+@pytest.mark.parametrize("name, content, error", [
+    ("empty.txt", b"", "holds no text: its files are empty or blank"),
+    ("latin1.txt", "caf\u00e9\n\nna\u00efve".encode("latin-1"), "latin1.txt is not UTF-8 text .*convert it"),
+    ("bad.jsonl", b'{"text": "a"}\n{"text": "b"\n', "bad.jsonl, record 2: Expecting .*one JSON object a line"),
+    ("null.jsonl", b'{"text": "a"}\n{"text": null}\n', "null.jsonl: {'text': None} has no 'text' text: pass --text_field"),
+    ("other.json", b'{"body": "a"}\n', "other.json: {'body': 'a'} has no 'text' text: pass --text_field"),
+])
+def test_bad_local_files_are_one_line_naming_the_file(tmp_path, name, content, error):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "fine.txt").write_text("x\n\ny")
+    (tmp_path / "c" / name).write_bytes(content)
+    with pytest.raises(UsageError, match=error):
+        data.prepare_text(tmp_path / "out", str(tmp_path / "c" / name))
+    if content:  # beside a good file: the same error, naming the bad one
+        with pytest.raises(UsageError, match=error):
+            data.prepare_text(tmp_path / "out", str(tmp_path / "c"))
+
+
+def test_the_command_line_reports_bad_input_in_one_line(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    for args, error in [([str(tmp_path / "x"), f"--source={tmp_path / 'latin1.txt'}"], "latin1.txt is not UTF-8"),
+                        (["shakespeare_char", "--source=x.txt"], "shakespeare_char is the fixed tiny-shakespeare text")]:
+        result = run(["data.py", *args], timeout=120)  # above the error, only datasets' progress bars
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.splitlines()[-1].startswith(f"error: ") and error in result.stderr.splitlines()[-1]
+
+
+def test_preparing_again_leaves_a_running_reader_the_old_tokens(tmp_path):
+    import tiktoken
+
+    corpus, out = tmp_path / "corpus.txt", tmp_path / "data" / "c"
+    corpus.write_text("\n\n".join(f"first corpus {i}" for i in range(40)))
+    data.prepare_text(out, str(corpus))
+    old = np.memmap(out / "train.bin", dtype=np.uint16, mode="r")  # as a training run holds it
+    before = np.array(old)
+    second = [f"the second, longer corpus: document {i}" for i in range(80)]
+    corpus.write_text("\n\n".join(second))  # the same file edited: datasets' cache of it must not answer
+    data.prepare_text(out, str(corpus))
+    np.testing.assert_array_equal(old, before)
+    cfg = tiny(dataset="c", data_root=str(tmp_path / "data"), vocab_size=50257, block_size=8)
+    ids = np.concatenate([data.load_split(cfg, "train"), data.load_split(cfg, "val")])
+    assert sorted(tiktoken.get_encoding("gpt2").decode(ids.tolist()).split("<|endoftext|>")) == sorted(second + [""])
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+def test_offline_downloads_are_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # nothing listens on port 9
+    with pytest.raises(UsageError, match=f"get internet, or put the file at {tmp_path / 'sc' / 'input.txt'}"):
+        data.prepare_shakespeare_char(tmp_path / "sc")
+    assert not (tmp_path / "sc" / "input.txt").exists()
+    # tiktoken fetches the GPT-2 files over https when its cache lacks them: an empty cache and a proxy that
+    # refuses make that fail at once, as offline
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
+    code = "import data; data.encoding('gpt2')"
+    result = run(["-c", f"from configs import UsageError\ntry:\n {code}\nexcept UsageError as e:\n print(e)"], env=env, timeout=60)
+    assert "cannot load tiktoken's gpt2 encoding" in result.stdout and "TIKTOKEN_CACHE_DIR" in result.stdout, result.stderr
 
 
 def test_uint32_when_the_vocabulary_is_large_written_in_chunks(tmp_path):
@@ -119,7 +212,18 @@ def test_ids_beyond_the_vocabulary_are_reported(small_dataset):
 
 def test_block_longer_than_data_and_missing_data_are_reported(small_dataset):
     cfg, path = small_dataset
-    with pytest.raises(UsageError, match="block_size=64 is longer than the val split"):
+    with pytest.raises(UsageError, match="block_size=64 is longer than the val split.*a larger --val_fraction"):
         data.load_split(dataclasses.replace(cfg, block_size=64), "val")
     with pytest.raises(UsageError, match="python data.py nothing"):
         data.load_split(dataclasses.replace(cfg, dataset="nothing"), "train")
+
+
+def test_a_corrupt_meta_json_is_one_line(small_dataset):
+    cfg, path = small_dataset
+    meta = json.loads((path / "meta.json").read_text())
+    for text in ['{"vocab_size": 50, "dtype": "uint16", ', "[]", json.dumps({k: v for k, v in meta.items() if k != "val_tokens"}),
+                 json.dumps({**meta, "dtype": "uint17"}), json.dumps({**meta, "train_tokens": None}),
+                 json.dumps({**meta, "tokenizer": {"kind": "char"}}), json.dumps({**meta, "tokenizer": "char"})]:
+        (path / "meta.json").write_text(text)
+        with pytest.raises(UsageError, match=f"{path / 'meta.json'} is corrupt: rerun `python data.py small`"):
+            data.load_split(cfg, "train")

@@ -50,6 +50,7 @@ def test_a_field_type_the_command_line_cannot_parse_is_one_line(kind):
     ("mlp_ratio", 0, "mlp_ratio=0 must be at least 1"),  # a ZeroDivisionError in model.policy_rows
     ("mesh_replica", 0, "mesh_replica=0 must be at least 1"),  # a ZeroDivisionError in check itself
     ("cpu_devices", 0, "cpu_devices=0 must be at least 1"),  # reported as a mesh_replica problem before
+    ("dataset", "", "dataset is empty: name a folder of data/"),
 ])
 def test_bad_values_name_the_field(field, value, message):
     cfg = configs.load("shakespeare_char_cpu")

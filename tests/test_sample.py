@@ -163,9 +163,9 @@ def test_cli_prints_samples_and_tokens_per_s(run_dir, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith(f"{run_dir} step 5: 30 tokens (3 x 10)")
 
 
-def test_samples_decode_with_the_run_directorys_tokenizer(run_dir, tmp_path, capsys):
-    """With tokenizer.json in the run directory (launch.py writes it) sampling needs no dataset (here one
-    that is gone): the same run with every letter's case swapped in its tokenizer.json samples the same ids,
+def test_samples_decode_with_the_run_directorys_dataset_record(run_dir, tmp_path, capsys):
+    """With dataset.json in the run directory (launch.py writes it) sampling needs no dataset (here one
+    that is gone): the same run with every letter's case swapped in its dataset.json samples the same ids,
     so the case-swapped text."""
     def greedy(rundir, start):
         sample.main([f"--rundir={rundir}", f"--start={start}", "--num_samples=1", "--max_new_tokens=30", "--temperature=0"])
@@ -178,7 +178,7 @@ def test_samples_decode_with_the_run_directorys_tokenizer(run_dir, tmp_path, cap
     assert error_line([f"--rundir={tmp_path / 'run'}"]).startswith(f"error: no dataset at {tmp_path / 'gone'}")
     meta = data.read_meta(tiny())
     meta["tokenizer"]["chars"] = meta["tokenizer"]["chars"].swapcase()
-    (tmp_path / "run" / "tokenizer.json").write_text(json.dumps(meta))
+    (tmp_path / "run" / "dataset.json").write_text(json.dumps(meta))
     assert greedy(tmp_path / "run", "romeo:") == text.swapcase() and text.startswith("ROMEO:")
 
 

@@ -7,32 +7,42 @@ hyperparameters; a width w is d_model = w with n_head = w / head_dim (the head d
 trains each width (or, with --depths, each depth at the config's width) --steps steps on one fixed
 batch at a constant LR, from 3 seeds, and records the mean |x| of every activation model.tap names
 before each step and after the last. Under muP each stays the same size as the width grows: DIR/
-coord_check.json maps each activation to its fitted slopes of log2 mean|x| against log2 width, one
-per step (index 0 = at init), and DIR/coord_check.png shows them (the "coordinate check" of TP5 and
-microsoft/mup).
+coord_check.json holds the settings and, under "slopes", each activation's fitted slopes of log2 mean|x|
+against log2 width, one per step (index 0 = at init); DIR/coord_check.png shows them (the "coordinate
+check" of TP5 and microsoft/mup).
 
     python mup.py transfer --config=NAME --widths=64,128,256 --lrs=1e-3,2e-3,4e-3 --steps=200 [--param=sp] --out=DIR
 
 trains every (width, LR) pair on the same batches with the config's schedule compressed to --steps
-steps, and writes the final validation loss: DIR/lr_transfer.json (the grid and the best LR per
-width) and DIR/lr_transfer.png. Under muP the best LR stays put as the width grows; under SP it moves.
-"""
+steps, and writes the final validation loss after each width: DIR/lr_transfer.json (the grid and the
+best LR per width) and DIR/lr_transfer.png. Under muP the best LR stays put as the width grows; under
+SP it moves. Run again into the same DIR with the same settings (config, --param, --steps, --lrs), it
+trains only the widths the file lacks, and keeps the others.
+
+Both run on one device, whatever the process has. Each JSON file records its settings: a DIR holding
+results of other settings is refused, never overwritten."""
 import argparse
 import dataclasses
 import json
+import os
+import signal
+import sys
+import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import configs
 import data
 import model as M
 import train
-from configs import Config, UsageError
+from configs import Config, RunError, UsageError
 
 
 def resize(cfg: Config, axis: str, size: int) -> Config:
@@ -42,6 +52,17 @@ def resize(cfg: Config, axis: str, size: int) -> Config:
     if size % cfg.head_dim:
         raise UsageError(f"width {size} is not a multiple of the head dim {cfg.head_dim} of {cfg.d_model}/{cfg.n_head}")
     return dataclasses.replace(cfg, d_model=size, n_head=size // cfg.head_dim)
+
+
+def one_device_mesh() -> jax.sharding.Mesh:
+    """The sweeps' mesh, the process's first device alone (of a GPU node, a TPU VM, a split CPU): they compare
+    widths and LRs, not speed, and JAX refuses activation_sizes' ordered callback on more than one device."""
+    return train.make_mesh(Config(mesh_replica=1), jax.devices()[:1])
+
+
+def put(mesh: jax.sharding.Mesh, *arrays) -> list[jax.Array]:
+    """The arrays whole on the mesh (its one device)."""
+    return [jax.device_put(a, NamedSharding(mesh, P())) for a in arrays]
 
 
 _SEEN: list[tuple[str, float]] = []  # (name, mean |x|) of each tap of the forwards run by activation_sizes
@@ -59,14 +80,14 @@ def _tapped_forward(gpt: M.GPT, tokens_T: jax.Array) -> jax.Array:
     return gpt(tokens_T)  # traced (once per shape) only with _record in model.TAPS
 
 
-def activation_sizes(gpt: M.GPT, x_BT: np.ndarray) -> dict[str, float]:
-    """Mean |x| of each tapped activation over the sequences x_BT: the residual stream per layer
-    ("resid.0", ...), the others averaged over layers."""
+def activation_sizes(gpt: M.GPT, x_BT: jax.Array) -> dict[str, float]:
+    """Mean |x| of each tapped activation over the sequences x_BT (on gpt's device): the residual stream
+    per layer ("resid.0", ...), the others averaged over layers."""
     _SEEN.clear()
     M.TAPS.append(_record)
     try:
         for tokens_T in x_BT:
-            _tapped_forward(gpt, jnp.asarray(tokens_T))
+            _tapped_forward(gpt, tokens_T)
         jax.effects_barrier()
     finally:
         M.TAPS.remove(_record)
@@ -83,12 +104,13 @@ def activation_sizes(gpt: M.GPT, x_BT: np.ndarray) -> dict[str, float]:
 def coord_check(cfg: Config, axis: str, sizes: list[int], steps: int, seeds: int = 3) -> dict[str, np.ndarray]:
     """Activation name -> mean |x| averaged over seeds, shape (len(sizes), steps + 1): column t after t
     steps on one fixed batch at the config's learning rate, constant (no warmup: step 1 moves at full LR)."""
+    mesh = one_device_mesh()
     x_BT, y_BT = data.get_batch(data.load_split(cfg, "train"), cfg.seed, data.TRAIN, 0, cfg.batch_size, cfg.block_size)
-    batch = [a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x_BT, y_BT)]
+    x_BT, *batch = put(mesh, x_BT, *(a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x_BT, y_BT)))
     table = defaultdict(lambda: np.zeros((len(sizes), steps + 1)))
     for i, size in enumerate(sizes):
         c = dataclasses.replace(resize(cfg, axis, size), warmup_steps=0, min_lr=cfg.learning_rate, max_steps=steps)
-        s = train.setup(c, train.make_mesh(c))  # its step is compiled once per shape, used for every seed
+        s = train.setup(c, mesh)  # its step is compiled once per shape, used for every seed
         for seed in range(seeds):
             gpt = eqx.filter_shard(M.init_gpt(c, jax.random.key(seed)), s.model_sharding)
             opt_state = train.make_optimizer(c, M.policy_table(gpt, c)).init(eqx.filter(gpt, eqx.is_array))
@@ -119,11 +141,11 @@ def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
     G, B, T = cfg.grad_accum, cfg.microbatch_size, cfg.block_size
     xy = [data.get_batch(train_tokens, cfg.seed, data.TRAIN, s, cfg.batch_size, T) for s in range(steps)]
-    x_SGBT, y_SGBT = (np.stack([b[i].reshape(G, B, T) for b in xy]) for i in (0, 1))
     val = [data.get_batch(val_tokens, cfg.seed, data.EVAL_VAL, i, B, T) for i in range(cfg.eval_batches)]
-    x_EBT, y_EBT = (jnp.asarray(np.stack([b[i] for b in val])) for i in (0, 1))  # int32: no int64 into the loss VJP
+    mesh = one_device_mesh()
+    x_SGBT, y_SGBT, x_EBT, y_EBT = put(mesh, *(np.stack([b[i].reshape(G, B, T) for b in xy]) for i in (0, 1)),
+                                       *(np.stack([b[i] for b in val]) for i in (0, 1)))
     cfg = dataclasses.replace(cfg, max_steps=steps, warmup_steps=round(cfg.warmup_steps * steps / cfg.max_steps))
-    mesh = train.make_mesh(cfg)
     gpt0 = train.setup(cfg, mesh).model  # the same initial model for every LR, drawn outside the compiled sweep
 
     def final_loss(lr, gpt):
@@ -136,7 +158,7 @@ def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
         (gpt, _), _ = jax.lax.scan(one_step, (gpt, s.opt_state), (x_SGBT, y_SGBT))
         return jax.vmap(train.loss_fn, in_axes=(None, 0, 0))(gpt, x_EBT, y_EBT).mean()
 
-    return np.asarray(eqx.filter_jit(jax.vmap(final_loss, in_axes=(0, None)))(jnp.asarray(lrs, jnp.float32), gpt0))
+    return np.asarray(eqx.filter_jit(jax.vmap(final_loss, in_axes=(0, None)))(*put(mesh, np.asarray(lrs, np.float32)), gpt0))
 
 
 def plot_coord(path: Path, axis: str, sizes: list[int], table: dict[str, np.ndarray], title: str) -> None:
@@ -205,14 +227,60 @@ def positive_list(flag: str, text: str, kind: type) -> list:
         raise UsageError(f"{flag}={text} is not a comma-separated list of {kind.__name__}s") from None
     if not all(0 < v < float("inf") for v in values):  # nan fails the test too
         raise UsageError(f"{flag}={text}: every value must be positive and finite")
+    if len(set(values)) < len(values):
+        raise UsageError(f"{flag}={text} repeats a value")
     return values
+
+
+def open_out(text: str, name: str, settings: dict) -> tuple[Path, dict | None]:
+    """--out, before any training: a directory we can write (made if need be), and the results it holds in
+    NAME.json, which must be of these settings (None if it holds none); a UsageError otherwise."""
+    out, path = Path(text), Path(text, f"{name}.json")
+    if not text:
+        raise UsageError("--out is empty: name an output directory")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out={out} is a file, not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=out).close()  # a probe: made and removed
+    except OSError as e:
+        raise UsageError(f"--out={out} cannot be written ({e.strerror or e}): pick another directory") from None
+    for p in (path, path.with_suffix(".png")):
+        if p.is_dir():
+            raise UsageError(f"--out={out}: {p} is a directory: remove it or pick another --out")
+    if not path.exists():
+        return out, None
+    try:
+        old = json.loads(path.read_text())
+        mine, theirs = settings["resolved_config"], old.get("resolved_config")
+        differ = [k for k in settings if k != "resolved_config" and old.get(k) != settings[k]]
+        differ += [f"config.{k}" for k in {**mine, **theirs} if theirs.get(k) != mine.get(k) and k not in differ] if theirs else []
+    except (OSError, ValueError, AttributeError, TypeError):  # ValueError: not JSON, or not UTF-8
+        raise UsageError(f"--out={out} holds a {path.name} mup.py cannot read: pick another --out or delete the file") from None
+    why = f"other settings ({', '.join(differ)} differ)" if theirs else "unrecorded settings (an older mup.py's)"
+    if differ or not theirs:
+        raise UsageError(f"--out={out} holds {path.name} of {why}: pick another --out or delete the file")
+    return out, old
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """write(a temporary file beside path), then rename it to path: a run killed midway leaves the old file
+    or the new one, never half of one."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")  # the suffix tells savefig the format
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RunError(f"writing {path} failed ({e.strerror or e}); the file is as it was") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["coord", "transfer"])
     ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
-    ap.add_argument("--widths", default="64,128,256,512", help="comma-separated model widths")
+    ap.add_argument("--widths", help="comma-separated model widths (default 64,128,256,512)")
     ap.add_argument("--depths", help="coord: comma-separated depths at the config's width, instead of widths")
     ap.add_argument("--lrs", help="transfer: comma-separated learning rates")
     ap.add_argument("--steps", type=int, default=5, help="train steps (coord: a few; transfer: a few hundred)")
@@ -220,51 +288,74 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=3, help="coord: seeds to average over")
     ap.add_argument("--out", required=True, help="output directory")
     args = ap.parse_args(argv)
+    transfer = args.command == "transfer"
+
+    def interrupted(*_):
+        """Ctrl-C: one line, and out at once (os._exit; the files are whole at any moment, write_atomic). Not by a
+        KeyboardInterrupt: raised in a gc callback it is lost, and after one that cut an XLA compilation short the
+        interpreter's exit segfaults (jax 0.10)."""
+        sys.stdout.flush()
+        print(f"error: interrupted; rerun the same command to {'continue' if transfer else 'start again'}", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    previous = signal.signal(signal.SIGINT, interrupted)
     try:
         cfg = configs.load(args.config)
-        # One device: the sweeps compare widths and learning rates, not speed (no split CPU: cpu_devices)
+        # one device (one_device_mesh): the sweeps compare widths and learning rates, not speed
         cfg = dataclasses.replace(cfg, param=args.param or cfg.param, mesh_replica=1, cpu_devices=1)
         for flag, value in (("--steps", args.steps), ("--seeds", args.seeds)):
             if value < 1:
                 raise UsageError(f"{flag}={value} must be at least 1")
-        axis, text = ("depth", args.depths) if args.depths else ("width", args.widths)
-        sizes = positive_list(f"--{axis}s", text, int)
-        if len(set(sizes)) < len(sizes) or len(sizes) < 2:
-            raise UsageError(f"--{axis}s={text} needs at least two different values to fit a slope")
-        if args.command == "transfer" and args.depths:
+        if transfer and args.depths is not None:
             raise UsageError("--depths is for coord: transfer sweeps widths (--widths)")
+        if args.widths is not None and args.depths is not None:
+            raise UsageError("--widths and --depths both given: coord sweeps one (depths at the config's width)")
+        width_text = "64,128,256,512" if args.widths is None else args.widths  # the default here: --depths sees it unset
+        axis, text = ("width", width_text) if args.depths is None else ("depth", args.depths)
+        sizes = positive_list(f"--{axis}s", text, int)
+        if len(sizes) < 2:
+            raise UsageError(f"--{axis}s={text} needs at least two values to fit a slope")
+        for size in sizes:  # all before any training, not each after the minutes the ones before it take
+            resize(cfg, axis, size).check(1)
         lrs = sorted(positive_list("--lrs", args.lrs, float)) if args.lrs else None
-        if (args.command == "transfer") != bool(lrs):
+        if transfer != bool(lrs):
             raise UsageError("transfer needs --lrs" if lrs is None else "--lrs is for transfer: coord trains at the config's LR")
         if lrs and lrs[-1] >= 3e38:
             raise UsageError(f"--lrs={args.lrs}: every LR must be finite in float32")
-        out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise UsageError(f"--out={out} is a file, not a directory")
-        out.mkdir(parents=True, exist_ok=True)
+        settings = {"config": args.config, "param": cfg.param, "steps": args.steps,
+                    **({"lrs": lrs} if transfer else {"axis": axis, "sizes": sizes, "seeds": args.seeds}),
+                    "resolved_config": dataclasses.asdict(cfg)}
+        out, old = open_out(args.out, "lr_transfer" if transfer else "coord_check", json.loads(json.dumps(settings)))
         name = f"{args.config}, {cfg.param}"
-        if args.command == "coord":
+        if not transfer:  # results of the same settings are made again: coord takes minutes
             table = coord_check(cfg, axis, sizes, args.steps, args.seeds)
-            (out / "coord_check.json").write_text(json.dumps(slopes(sizes, table), indent=1))
-            plot_coord(out / "coord_check.png", axis, sizes, table, f"{name}: mean |x| against {axis}, lr {cfg.learning_rate:g}")
-            worst = max(abs(v) for s in slopes(sizes, table).values() for v in s[1:] if v is not None)
+            fitted = slopes(sizes, table)
+            title = f"{name}: mean |x| against {axis}, lr {cfg.learning_rate:g}"
+            write_atomic(out / "coord_check.png", lambda p: plot_coord(p, axis, sizes, table, title))
+            write_atomic(out / "coord_check.json", lambda p: p.write_text(json.dumps(settings | {"slopes": fitted}, indent=1)))
+            worst = max(abs(v) for s in fitted.values() for v in s[1:] if v is not None)
             print(f"largest |slope| after step 0: {worst:.3f}; wrote {out}/coord_check.json and .png")
-        else:
-            rows = []
-            for w in sizes:  # the files are rewritten after each width: a long sweep shows its progress
-                rows.append(lr_sweep(resize(cfg, "width", w), lrs, args.steps))
-                loss, done = np.stack(rows), sizes[:len(rows)]
-                best = {str(w): lrs[int(np.nanargmin(row))] if np.isfinite(row).any() else None for w, row in zip(done, loss)}
-                grid = [[float(v) if np.isfinite(v) else None for v in row] for row in loss]
-                result = {"config": args.config, "param": cfg.param, "steps": args.steps, "widths": done, "lrs": lrs,
-                          "loss": grid, "best_lr": best}
-                (out / "lr_transfer.json").write_text(json.dumps(result, indent=1))
-                plot_transfer(out / "lr_transfer.png", done, lrs, loss, f"{name}, {args.steps} steps")
-                print(f"width {w}: " + (f"best LR {best[str(w)]:g}, loss {np.nanmin(loss[-1]):.4f}" if best[str(w)]
-                                        else "every LR diverged (loss nan)"), flush=True)
-            print(f"best LR per width: {best}; wrote {out}/lr_transfer.json and .png")
-    except UsageError as e:
+            return
+        loss = {w: np.array(row, float) for w, row in zip(old["widths"], old["loss"])} if old else {}  # null: nan
+        best = lambda w: lrs[int(np.nanargmin(loss[w]))] if np.isfinite(loss[w]).any() else None
+        if done := [w for w in sizes if w in loss]:
+            print(f"{out}/lr_transfer.json has these settings' results at width {', '.join(map(str, done))}: not trained again")
+        for w in [w for w in sizes if w not in loss]:  # the files are rewritten after each: progress, and a resume
+            loss[w] = lr_sweep(resize(cfg, "width", w), lrs, args.steps)
+            widths = sorted(loss)
+            result = settings | {"widths": widths, "loss": [[float(v) if np.isfinite(v) else None for v in loss[w]]
+                                                            for w in widths], "best_lr": {str(w): best(w) for w in widths}}
+            write_atomic(out / "lr_transfer.png", lambda p: plot_transfer(p, widths, lrs, np.stack([loss[w] for w in widths]),
+                                                                          f"{name}, {args.steps} steps"))
+            write_atomic(out / "lr_transfer.json", lambda p: p.write_text(json.dumps(result, indent=1)))
+            print(f"width {w}: " + (f"best LR {best(w):g}, loss {np.nanmin(loss[w]):.4f}" if best(w)
+                                    else "every LR diverged (loss nan)"), flush=True)
+        print(f"best LR per width: { {w: best(w) for w in sorted(loss)} }; results in {out}/lr_transfer.json and .png")
+    except (UsageError, RunError) as e:
         raise SystemExit(f"error: {e}")
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ generation goes on, so every new token sees between block_size // 2 and block_si
 Shapes as in model.py, plus S cache positions (block_size) and N new tokens per sample.
 """
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -197,9 +198,7 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
                          f"steps and at the end)")
     if step is not None and step not in steps:
         raise UsageError(f"--step={step}: {rundir} has checkpoints of steps {', '.join(map(str, steps))} only")
-    auto = jax.sharding.AxisType.Auto
-    one_device = jax.make_mesh((1, 1), ("replica", "fsdp"), axis_types=(auto, auto), devices=jax.devices()[:1])
-    s = train.setup(cfg, one_device)
+    s = train.setup(cfg, train.make_mesh(dataclasses.replace(cfg, mesh_replica=1), jax.devices()[:1]))
     step = steps[-1] if step is None else step
     return restore_checkpoint(mngr, s.model, s.opt_state, step)[0], step
 

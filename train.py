@@ -27,11 +27,11 @@ import sample
 BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): every device holds B / devices sequences
 
 
-def make_mesh(cfg: Config) -> jax.sharding.Mesh:
-    """(replica, fsdp): replicas across granules (the slices of a multi-slice TPU, else the processes) and fsdp
-    within, so FSDP's all-gathers stay on fast links and only gradient reductions cross the slow network. A
-    mesh_replica that is a multiple of the granules splits each into replicas, a divisor makes fsdp span several."""
-    devices, r = jax.devices(), cfg.mesh_replica
+def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
+    """(replica, fsdp) over `devices` (default all): replicas across granules (the slices of a multi-slice TPU, else
+    the processes) and fsdp within, so FSDP's all-gathers stay on fast links and only gradient reductions cross the
+    slow network. A mesh_replica that is a multiple of the granules splits each into replicas, a divisor makes fsdp span several."""
+    devices, r = devices or jax.devices(), cfg.mesh_replica
     slices = len({getattr(d, "slice_index", 0) for d in devices}) > 1
     g = len({d.slice_index if slices else d.process_index for d in devices})
     if r % g and g % r:

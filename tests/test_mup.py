@@ -1,8 +1,13 @@
 """muP and CompleteP against their invariants: SP at the base shape, update sizes, coordinate checks
 and learning-rate transfer. Each check has an SP control that must fail it, or it would prove nothing."""
 import dataclasses
+import json
 import math
+import os
 import re
+import shutil
+import signal
+import time
 
 import equinox as eqx
 import jax
@@ -13,7 +18,7 @@ import configs
 import model as M
 import mup
 import train
-from conftest import tiny
+from conftest import ROOT, run, tiny
 
 
 def mup_tiny(**overrides):
@@ -173,12 +178,137 @@ def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
                                          (["coord", "--seeds=0"], "--seeds=0 must be at least 1"),
                                          (["transfer", "--lrs=1e-3,fast"], "--lrs=1e-3,fast is not a comma-separated list of floats"),
                                          (["transfer", "--lrs=1e-3,1e39"], "--lrs=1e-3,1e39: every LR must be finite in float32"),
-                                         (["coord", "--widths=64,64"], "--widths=64,64 needs at least two different values"),
+                                         (["transfer", "--lrs=1e-3,2e-3,1e-3"], "--lrs=1e-3,2e-3,1e-3 repeats a value"),
+                                         (["coord", "--widths=64,64"], "--widths=64,64 repeats a value"),
+                                         (["coord", "--widths=64"], "--widths=64 needs at least two values to fit a slope"),
+                                         (["coord", "--widths=32,64,48"], "width 48 is not a multiple of the head dim 32"),
+                                         (["coord", "--widths=64,128", "--depths=2,4"], "--widths and --depths both given"),
+                                         (["coord", "--widths="], "--widths= is not a comma-separated list of ints"),
                                          (["transfer", "--depths=2,4", "--lrs=1e-3"], "--depths is for coord"),
                                          (["coord", "--lrs=1e-3"], "--lrs is for transfer"),
-                                         (["coord", "--out=FILE"], "--out=FILE is a file, not a directory")])
-def test_bad_sweep_arguments_are_one_line_errors(tmp_path, args, error):
+                                         (["coord", "--out=TMP/FILE"], "--out=TMP/FILE is a file, not a directory"),
+                                         (["coord", "--out=TMP/FILE/sub"], "--out=TMP/FILE/sub cannot be written"),
+                                         (["coord", "--out=/proc/mugpt"], "--out=/proc/mugpt cannot be written"),
+                                         (["coord", "--out="], "--out is empty"),
+                                         (["coord", "--out=TMP/d"], "--out=TMP/d: TMP/d/coord_check.json is a directory"),
+                                         (["transfer", "--lrs=1e-3", "--out=TMP/d"], "--out=TMP/d: TMP/d/lr_transfer.png is a directory")])
+def test_bad_sweep_arguments_are_one_line_errors_before_any_training(tmp_path, monkeypatch, args, error):
+    """Each is refused before the first width trains (which takes minutes at the README's sizes)."""
+    def train(*_):
+        raise AssertionError("trained before the arguments were checked")
+    monkeypatch.setattr(mup, "coord_check", train)
+    monkeypatch.setattr(mup, "lr_sweep", train)
     (tmp_path / "FILE").write_text("")
-    args, error = [a.replace("FILE", str(tmp_path / "FILE")) for a in args], error.replace("FILE", str(tmp_path / "FILE"))
+    (tmp_path / "d" / "coord_check.json").mkdir(parents=True)
+    (tmp_path / "d" / "lr_transfer.png").mkdir()
+    args, error = [a.replace("TMP", str(tmp_path)) for a in args], error.replace("TMP", str(tmp_path))
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: {error}")):
         mup.main([f"--out={tmp_path}", *args, "--config=shakespeare_char_cpu"])  # a later --out wins
+
+
+SWEEPS = """import sys, jax, mup
+for args in (["coord", "--widths=32,64", "--steps=1", "--seeds=1"], ["transfer", "--widths=32,64", "--lrs=1e-3,2e-3", "--steps=2"]):
+    mup.main([*args, "--config=shakespeare_char_cpu", f"--out={sys.argv[1]}"])
+print("devices:", jax.device_count())
+"""
+
+
+def test_sweeps_run_on_one_device_of_several(tmp_path, shakespeare):
+    """With two devices in the process both commands run (coord's ordered callback is refused by JAX on a
+    mesh of two) and write the same numbers, bit for bit, as with one: the same one-device program."""
+    results = []
+    for n in (1, 2):
+        done = run(["-c", SWEEPS, str(tmp_path / str(n))], env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+        assert done.returncode == 0 and f"devices: {n}" in done.stdout, done.stderr[-2000:]
+        results.append([json.loads((tmp_path / str(n) / f).read_text()) for f in ("coord_check.json", "lr_transfer.json")])
+    assert results[0] == results[1]
+
+
+def fake_sweep(trained, interrupt_at=None):
+    """lr_sweep's stand-in: a loss per LR from the width, nan (a diverged run) at the largest; records widths.
+    At width interrupt_at it sends the process a Ctrl-C (SIGINT) and waits for it."""
+    def sweep(cfg, lrs, steps):
+        if cfg.d_model == interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(60)
+        trained.append(cfg.d_model)
+        return np.array([cfg.d_model * lr * steps for lr in lrs[:-1]] + [np.nan])
+    return sweep
+
+
+INTERRUPTED = """import sys, mup, test_mup
+mup.lr_sweep = test_mup.fake_sweep([], interrupt_at=int(sys.argv[1]))
+mup.main(sys.argv[2:])
+"""
+
+
+def test_transfer_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypatch, capsys):
+    """Ctrl-C at its second width, transfer says how to continue (one line, no traceback) and its files hold
+    the first; the same command then trains only the rest and ends with the files of an uninterrupted run.
+    Other settings in that --out, or results mup.py did not record the settings of (docs/'s), are refused
+    and left as they were."""
+    args = ["transfer", "--config=shakespeare_char_cpu", "--widths=64,32,96", "--lrs=1e-3,2e-3,4e-3", "--steps=3"]
+    trained = []
+    monkeypatch.setattr(mup, "lr_sweep", fake_sweep(trained))
+    mup.main([*args, f"--out={tmp_path / 'whole'}"])
+    assert trained == [64, 32, 96]
+    whole = json.loads((tmp_path / "whole" / "lr_transfer.json").read_text())
+    assert whole["widths"] == [32, 64, 96] and whole["loss"][0][-1] is None and whole["best_lr"]["32"] == 1e-3
+
+    out, trained[:] = tmp_path / "resumed", []
+    done = run(["-c", INTERRUPTED, "32", *args, f"--out={out}"], timeout=120)
+    assert (done.returncode, done.stderr) == (1, "error: interrupted; rerun the same command to continue\n"), done.stderr
+    assert sorted(os.listdir(out)) == ["lr_transfer.json", "lr_transfer.png"]  # no temporary file left
+    assert json.loads((out / "lr_transfer.json").read_text())["widths"] == [64]
+    capsys.readouterr()
+    mup.main([*args, f"--out={out}"])
+    assert trained == [32, 96] and "results at width 64: not trained again" in capsys.readouterr().out
+    assert json.loads((out / "lr_transfer.json").read_text()) == whole
+
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "mup" / "lr_transfer.json", tmp_path / "docs")
+    for where, other, error in [(out, ["--lrs=1e-3,2e-3"], "of other settings (lrs differ)"),
+                                (out, ["--param=sp", "--steps=4"], "of other settings (param, steps differ)"),
+                                (tmp_path / "docs", [], "of unrecorded settings (an older mup.py's)")]:
+        before = {f: f.read_bytes() for f in where.iterdir()}
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: --out={where} holds lr_transfer.json {error}: pick another")):
+            mup.main([*args, *other, f"--out={where}"])
+        assert {f: f.read_bytes() for f in where.iterdir()} == before
+    assert trained == [32, 96]
+
+
+def test_coord_makes_again_only_results_of_its_own_settings(tmp_path, monkeypatch):
+    """coord_check.json records its settings; a rerun of them writes it again, one of other settings (or into
+    docs/'s results, which record none) is refused and leaves the files as they were."""
+    table = lambda cfg, axis, sizes, steps, seeds: {"q": np.sqrt(np.outer(sizes, np.arange(1, steps + 2)))}  # slope 1/2
+    monkeypatch.setattr(mup, "coord_check", table)
+    args = ["coord", "--config=shakespeare_char_cpu", "--steps=2"]
+    for _ in range(2):
+        mup.main([*args, "--widths=32,64", f"--out={tmp_path / 'out'}"])
+        result = json.loads((tmp_path / "out" / "coord_check.json").read_text())
+        assert result["slopes"] == {"q": [pytest.approx(0.5)] * 3}
+        assert (result["sizes"], result["seeds"], result["resolved_config"]["learning_rate"]) == ([32, 64], 3, 4e-3)
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "mup" / "coord_check.json", tmp_path / "docs")
+    for where, other, error in [("out", ["--widths=32,64", "--steps=3"], "of other settings (steps differ)"),
+                                ("out", ["--depths=2,4"], "of other settings (axis, sizes differ)"),
+                                ("docs", ["--widths=32,64"], "of unrecorded settings (an older mup.py's)")]:
+        before = {f: f.read_bytes() for f in (tmp_path / where).iterdir()}
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: --out={tmp_path / where} holds coord_check.json {error}")):
+            mup.main([*args, *other, f"--out={tmp_path / where}"])
+        assert {f: f.read_bytes() for f in (tmp_path / where).iterdir()} == before
+
+
+def test_a_write_stopped_midway_leaves_the_old_file(tmp_path):
+    """Results are written beside their file, then renamed over it: a kill leaves the old file or the new one."""
+    path = tmp_path / "lr_transfer.json"
+    path.write_text("old")
+
+    def half(tmp):
+        tmp.write_text("ne")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        mup.write_atomic(path, half)
+    assert path.read_text() == "old" and os.listdir(tmp_path) == [path.name]
+    mup.write_atomic(path, lambda tmp: tmp.write_text("new"))
+    assert path.read_text() == "new" and os.listdir(tmp_path) == [path.name]

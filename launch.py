@@ -7,7 +7,9 @@ metrics.jsonl, tensorboard events, checkpoints/ (--debug: a profile of a few ste
 import argparse
 import dataclasses
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -85,6 +87,7 @@ def parse_args(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGINT, interrupted)
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = apply_overrides(configs.load(args.config), overrides)
@@ -115,8 +118,17 @@ def main(argv: list[str] | None = None) -> None:
             # Process 0 checks and writes the run directory; the others only train in it.
             rundir = open_rundir(args, cfg) if jax.process_index() == 0 else epath.Path(args.rundir)
             train.train(cfg, rundir, debug=args.debug)
-    except (UsageError, RunError, KeyboardInterrupt) as e:  # Ctrl-C: before the loop's handler (startup), or a second
-        sys.exit(f"error: {str(e) or 'interrupted; a run directory resumes from its last checkpoint when given again as --rundir'}")
+    except (UsageError, RunError) as e:
+        sys.exit(f"error: {e}")
+
+
+def interrupted(*_) -> None:
+    """SIGINT (Ctrl-C) outside the training loop, whose own handler saves and stops (checkpoint.stop_signals):
+    one line and out at once, never a KeyboardInterrupt, which JAX's gc callbacks can swallow (the run goes on)
+    and which, cutting an XLA compilation short, makes the interpreter's exit segfault (jax 0.10)."""
+    print("\nerror: interrupted; a run directory resumes from its last checkpoint when given again as --rundir",
+          file=sys.stderr, flush=True)  # \n: past a progress bar's line
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -299,9 +299,9 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
 
     bar = tqdm(initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True, mininterval=1.0,
                disable=jax.process_index() != 0)
-    last = log_eval(0, None) if start == 0 else None
     tokens_per_s, t0, t0_step = None, None, start
-    try:
+    try:  # the step-0 evaluation too: whatever stops the run (Ctrl-C in it), the bar and the files are closed
+        last = log_eval(0, None) if start == 0 else None
         with stop_signals() as caught:
             for step in range(start, cfg.max_steps, K := cfg.steps_per_call):  # K steps a call
                 if debug and step == min(start + 5 * K, cfg.max_steps - K):

@@ -179,7 +179,8 @@ class Config:
             (self.min_lr > self.learning_rate, f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: the cosine decays to it"),
             (self.warmup_steps < 0, f"warmup_steps={self.warmup_steps} must be >= 0"),  # above max_steps is allowed: a smoke run
             (not 0 <= self.grad_clip < 3e38, f"grad_clip={self.grad_clip} must be finite and >= 0 (0: no clipping)"),
-            *((not 0 < getattr(self, f) < math.inf, f"{f}={getattr(self, f)} must be > 0 and finite")  # 1e39: a test's NaN
+            # finite as a Python float: 1e39 (inf in float32) is how a test makes every loss non-finite
+            *((not 0 < getattr(self, f) < math.inf, f"{f}={getattr(self, f)} must be > 0 and finite")
               for f in ("rope_base", "alpha_in", "alpha_out", "attn_tau")),
             (self.seed < 0, f"seed={self.seed} must be >= 0"),
             (not self.dataset, f"dataset is empty: name a folder of {self.data_root}/ (`python data.py NAME` makes one)"),

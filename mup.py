@@ -7,20 +7,16 @@ hyperparameters; a width w is d_model = w with n_head = w / head_dim (the head d
 trains each width (or, with --depths, each depth at the config's width) --steps steps on one fixed
 batch at a constant LR, from 3 seeds, and records the mean |x| of every activation model.tap names
 before each step and after the last. Under muP each stays the same size as the width grows: DIR/
-coord_check.json holds the settings and, under "slopes", each activation's fitted slopes of log2 mean|x|
-against log2 width, one per step (index 0 = at init); DIR/coord_check.png shows them (the "coordinate
-check" of TP5 and microsoft/mup).
+coord_check.json holds each activation's fitted slopes of log2 mean|x| against log2 width, one per step
+(index 0 = at init), and DIR/coord_check.png shows them (the "coordinate check" of TP5 and microsoft/mup).
 
     python mup.py transfer --config=NAME --widths=64,128,256 --lrs=1e-3,2e-3,4e-3 --steps=200 [--param=sp] --out=DIR
 
 trains every (width, LR) pair on the same batches with the config's schedule compressed to --steps
 steps, and writes the final validation loss after each width: DIR/lr_transfer.json (the grid and the
 best LR per width) and DIR/lr_transfer.png. Under muP the best LR stays put as the width grows; under
-SP it moves. Run again into the same DIR with the same settings (config, --param, --steps, --lrs), it
-trains only the widths the file lacks, and keeps the others.
-
-Both run on one device, whatever the process has. Each JSON file records its settings: a DIR holding
-results of other settings is refused, never overwritten."""
+SP it moves. Both run on one device. The JSON files record their settings: results of other settings in
+DIR are refused, never overwritten, and transfer again with the same ones trains only the widths missing."""
 import argparse
 import dataclasses
 import json
@@ -36,11 +32,11 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import configs
 import data
 import model as M
+import plots
 import train
 from configs import Config, RunError, UsageError
 
@@ -60,11 +56,6 @@ def one_device_mesh() -> jax.sharding.Mesh:
     return train.make_mesh(Config(mesh_replica=1), jax.devices()[:1])
 
 
-def put(mesh: jax.sharding.Mesh, *arrays) -> list[jax.Array]:
-    """The arrays whole on the mesh (its one device)."""
-    return [jax.device_put(a, NamedSharding(mesh, P())) for a in arrays]
-
-
 _SEEN: list[tuple[str, float]] = []  # (name, mean |x|) of each tap of the forwards run by activation_sizes
 
 
@@ -80,14 +71,14 @@ def _tapped_forward(gpt: M.GPT, tokens_T: jax.Array) -> jax.Array:
     return gpt(tokens_T)  # traced (once per shape) only with _record in model.TAPS
 
 
-def activation_sizes(gpt: M.GPT, x_BT: jax.Array) -> dict[str, float]:
-    """Mean |x| of each tapped activation over the sequences x_BT (on gpt's device): the residual stream
-    per layer ("resid.0", ...), the others averaged over layers."""
+def activation_sizes(gpt: M.GPT, x_BT: np.ndarray) -> dict[str, float]:
+    """Mean |x| of each tapped activation over the sequences x_BT: the residual stream per layer
+    ("resid.0", ...), the others averaged over layers."""
     _SEEN.clear()
     M.TAPS.append(_record)
     try:
         for tokens_T in x_BT:
-            _tapped_forward(gpt, tokens_T)
+            _tapped_forward(gpt, jnp.asarray(tokens_T))
         jax.effects_barrier()
     finally:
         M.TAPS.remove(_record)
@@ -106,7 +97,7 @@ def coord_check(cfg: Config, axis: str, sizes: list[int], steps: int, seeds: int
     steps on one fixed batch at the config's learning rate, constant (no warmup: step 1 moves at full LR)."""
     mesh = one_device_mesh()
     x_BT, y_BT = data.get_batch(data.load_split(cfg, "train"), cfg.seed, data.TRAIN, 0, cfg.batch_size, cfg.block_size)
-    x_BT, *batch = put(mesh, x_BT, *(a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x_BT, y_BT)))
+    batch = [a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x_BT, y_BT)]
     table = defaultdict(lambda: np.zeros((len(sizes), steps + 1)))
     for i, size in enumerate(sizes):
         c = dataclasses.replace(resize(cfg, axis, size), warmup_steps=0, min_lr=cfg.learning_rate, max_steps=steps)
@@ -143,8 +134,8 @@ def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
     xy = [data.get_batch(train_tokens, cfg.seed, data.TRAIN, s, cfg.batch_size, T) for s in range(steps)]
     val = [data.get_batch(val_tokens, cfg.seed, data.EVAL_VAL, i, B, T) for i in range(cfg.eval_batches)]
     mesh = one_device_mesh()
-    x_SGBT, y_SGBT, x_EBT, y_EBT = put(mesh, *(np.stack([b[i].reshape(G, B, T) for b in xy]) for i in (0, 1)),
-                                       *(np.stack([b[i] for b in val]) for i in (0, 1)))
+    x_SGBT, y_SGBT = (np.stack([b[i].reshape(G, B, T) for b in xy]) for i in (0, 1))
+    x_EBT, y_EBT = (jnp.asarray(np.stack([b[i] for b in val])) for i in (0, 1))  # int32: no int64 into the loss VJP
     cfg = dataclasses.replace(cfg, max_steps=steps, warmup_steps=round(cfg.warmup_steps * steps / cfg.max_steps))
     gpt0 = train.setup(cfg, mesh).model  # the same initial model for every LR, drawn outside the compiled sweep
 
@@ -158,66 +149,7 @@ def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
         (gpt, _), _ = jax.lax.scan(one_step, (gpt, s.opt_state), (x_SGBT, y_SGBT))
         return jax.vmap(train.loss_fn, in_axes=(None, 0, 0))(gpt, x_EBT, y_EBT).mean()
 
-    return np.asarray(eqx.filter_jit(jax.vmap(final_loss, in_axes=(0, None)))(*put(mesh, np.asarray(lrs, np.float32)), gpt0))
-
-
-def plot_coord(path: Path, axis: str, sizes: list[int], table: dict[str, np.ndarray], title: str) -> None:
-    """One panel per activation: mean |x| against size, log-log, a line per step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = 4
-    rows = -(-len(table) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False)
-    colors = plt.cm.viridis(np.linspace(0, 0.9, next(iter(table.values())).shape[1]))
-    for ax, (name, values) in zip(axes.flat, table.items()):
-        for t, color in enumerate(colors):
-            if np.all(values[:, t] > 0):
-                ax.plot(sizes, values[:, t], "o-", color=color, ms=3, label=f"step {t}")
-        # y spans at least the sizes' ratio x 4 around the data, so a slope's angle reads the same everywhere
-        positive = values[values > 0]
-        mid, span = np.sqrt(positive.min() * positive.max()), max(positive.max() / positive.min(), 4 * sizes[-1] / sizes[0])
-        ax.set(xscale="log", yscale="log", title=name, ylim=(mid / np.sqrt(span), mid * np.sqrt(span)))
-        ax.set_xticks(sizes, [str(s) for s in sizes], fontsize=7)
-        ax.tick_params(axis="y", labelsize=7)
-        ax.minorticks_off()
-    for ax in axes.flat[len(table):]:
-        ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    for ax in axes[-1]:
-        ax.set_xlabel(axis)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("mean |x|")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-
-
-def plot_transfer(path: Path, widths: list[int], lrs: list[float], loss: np.ndarray, title: str) -> None:
-    """Final loss against log2 LR, a curve per width, each optimum marked."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    colors = plt.cm.viridis(np.linspace(0, 0.9, len(widths)))
-    log_lr = np.log2(lrs)
-    for w, row, color in zip(widths, loss, colors):
-        ax.plot(log_lr, row, "o-", color=color, ms=3, label=f"width {w}")
-        if np.isfinite(row).any():
-            best = np.nanargmin(row)
-            ax.plot(log_lr[best], row[best], "*", color=color, ms=14, markeredgecolor="k")
-    finite = loss[np.isfinite(loss)]  # diverged runs (nan) are left out; the y range is the optimum's region
-    if finite.size:
-        ax.set_ylim(finite.min() - 0.05, min(finite.max(), finite.min() + 0.6) + 0.05)
-    ax.set_xticks(log_lr, [f"{lr:.2g}" for lr in lrs], fontsize=8)
-    ax.set(xlabel="learning rate (log2 scale)", ylabel="final validation loss", title=title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    return np.asarray(eqx.filter_jit(jax.vmap(final_loss, in_axes=(0, None)))(jnp.asarray(lrs, jnp.float32), gpt0))
 
 
 def positive_list(flag: str, text: str, kind: type) -> list:
@@ -232,33 +164,26 @@ def positive_list(flag: str, text: str, kind: type) -> list:
     return values
 
 
-def open_out(text: str, name: str, settings: dict) -> tuple[Path, dict | None]:
-    """--out, before any training: a directory we can write (made if need be), and the results it holds in
-    NAME.json, which must be of these settings (None if it holds none); a UsageError otherwise."""
+def open_out(text: str, name: str, settings: dict) -> tuple[Path, dict]:
+    """--out, checked before any training: a directory that can be written, and its NAME.json ({} if none),
+    which must be of these settings: results of others are refused, never overwritten."""
     out, path = Path(text), Path(text, f"{name}.json")
-    if not text:
-        raise UsageError("--out is empty: name an output directory")
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out={out} is a file, not a directory")
     try:
+        if not text or path.is_dir() or path.with_suffix(".png").is_dir():
+            raise IsADirectoryError(0, "empty" if not text else f"{path.name} or its .png is a directory")
         out.mkdir(parents=True, exist_ok=True)
         tempfile.NamedTemporaryFile(dir=out).close()  # a probe: made and removed
     except OSError as e:
-        raise UsageError(f"--out={out} cannot be written ({e.strerror or e}): pick another directory") from None
-    for p in (path, path.with_suffix(".png")):
-        if p.is_dir():
-            raise UsageError(f"--out={out}: {p} is a directory: remove it or pick another --out")
+        raise UsageError(f"--out={out if text else ''} cannot be written ({e.strerror or e}): pick another directory") from None
     if not path.exists():
-        return out, None
+        return out, {}
     try:
         old = json.loads(path.read_text())
-        mine, theirs = settings["resolved_config"], old.get("resolved_config")
-        differ = [k for k in settings if k != "resolved_config" and old.get(k) != settings[k]]
-        differ += [f"config.{k}" for k in {**mine, **theirs} if theirs.get(k) != mine.get(k) and k not in differ] if theirs else []
-    except (OSError, ValueError, AttributeError, TypeError):  # ValueError: not JSON, or not UTF-8
-        raise UsageError(f"--out={out} holds a {path.name} mup.py cannot read: pick another --out or delete the file") from None
-    why = f"other settings ({', '.join(differ)} differ)" if theirs else "unrecorded settings (an older mup.py's)"
-    if differ or not theirs:
+        differ = [k for k in {**settings, **old["settings"]} if old["settings"].get(k) != settings.get(k)]
+        why = f"other settings ({', '.join(differ[:4])} differ)"
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or no settings: an older mup.py's
+        differ, why = True, "unrecorded settings (an older mup.py's)"
+    if differ:
         raise UsageError(f"--out={out} holds {path.name} of {why}: pick another --out or delete the file")
     return out, old
 
@@ -291,12 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     transfer = args.command == "transfer"
 
     def interrupted(*_):
-        """Ctrl-C: one line, and out at once (os._exit; the files are whole at any moment, write_atomic). Not by a
-        KeyboardInterrupt: raised in a gc callback it is lost, and after one that cut an XLA compilation short the
-        interpreter's exit segfaults (jax 0.10)."""
+        """Ctrl-C: one line and out at once (the files are whole at any moment: write_atomic); not a KeyboardInterrupt,
+        for launch.interrupted's reasons."""
         sys.stdout.flush()
-        print(f"error: interrupted; rerun the same command to {'continue' if transfer else 'start again'}", file=sys.stderr,
-              flush=True)
+        print(f"error: interrupted; rerun the same command to {'continue' if transfer else 'start again'}", file=sys.stderr)
         os._exit(1)
 
     previous = signal.signal(signal.SIGINT, interrupted)
@@ -323,30 +246,30 @@ def main(argv: list[str] | None = None) -> None:
             raise UsageError("transfer needs --lrs" if lrs is None else "--lrs is for transfer: coord trains at the config's LR")
         if lrs and lrs[-1] >= 3e38:
             raise UsageError(f"--lrs={args.lrs}: every LR must be finite in float32")
-        settings = {"config": args.config, "param": cfg.param, "steps": args.steps,
+        settings = {"config": args.config, "steps": args.steps,  # JSON's types, to compare with a file's
                     **({"lrs": lrs} if transfer else {"axis": axis, "sizes": sizes, "seeds": args.seeds}),
-                    "resolved_config": dataclasses.asdict(cfg)}
-        out, old = open_out(args.out, "lr_transfer" if transfer else "coord_check", json.loads(json.dumps(settings)))
+                    **{f"config.{k}": v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items()}}
+        out, old = open_out(args.out, "lr_transfer" if transfer else "coord_check", settings)
         name = f"{args.config}, {cfg.param}"
         if not transfer:  # results of the same settings are made again: coord takes minutes
             table = coord_check(cfg, axis, sizes, args.steps, args.seeds)
             fitted = slopes(sizes, table)
             title = f"{name}: mean |x| against {axis}, lr {cfg.learning_rate:g}"
-            write_atomic(out / "coord_check.png", lambda p: plot_coord(p, axis, sizes, table, title))
-            write_atomic(out / "coord_check.json", lambda p: p.write_text(json.dumps(settings | {"slopes": fitted}, indent=1)))
+            write_atomic(out / "coord_check.png", lambda p: plots.coord(p, axis, sizes, table, title))
+            write_atomic(out / "coord_check.json", lambda p: p.write_text(json.dumps({"settings": settings, "slopes": fitted}, indent=1)))
             worst = max(abs(v) for s in fitted.values() for v in s[1:] if v is not None)
             print(f"largest |slope| after step 0: {worst:.3f}; wrote {out}/coord_check.json and .png")
             return
-        loss = {w: np.array(row, float) for w, row in zip(old["widths"], old["loss"])} if old else {}  # null: nan
+        loss = {w: np.array(row, float) for w, row in zip(old.get("widths", []), old.get("loss", []))}  # null: nan
         best = lambda w: lrs[int(np.nanargmin(loss[w]))] if np.isfinite(loss[w]).any() else None
         if done := [w for w in sizes if w in loss]:
             print(f"{out}/lr_transfer.json has these settings' results at width {', '.join(map(str, done))}: not trained again")
         for w in [w for w in sizes if w not in loss]:  # the files are rewritten after each: progress, and a resume
             loss[w] = lr_sweep(resize(cfg, "width", w), lrs, args.steps)
             widths = sorted(loss)
-            result = settings | {"widths": widths, "loss": [[float(v) if np.isfinite(v) else None for v in loss[w]]
-                                                            for w in widths], "best_lr": {str(w): best(w) for w in widths}}
-            write_atomic(out / "lr_transfer.png", lambda p: plot_transfer(p, widths, lrs, np.stack([loss[w] for w in widths]),
+            result = {"settings": settings, "widths": widths, "loss": [[float(v) if np.isfinite(v) else None for v in loss[w]]
+                                                                      for w in widths], "best_lr": {str(w): best(w) for w in widths}}
+            write_atomic(out / "lr_transfer.png", lambda p: plots.transfer(p, widths, lrs, np.stack([loss[w] for w in widths]),
                                                                           f"{name}, {args.steps} steps"))
             write_atomic(out / "lr_transfer.json", lambda p: p.write_text(json.dumps(result, indent=1)))
             print(f"width {w}: " + (f"best LR {best(w):g}, loss {np.nanmin(loss[w]):.4f}" if best(w)

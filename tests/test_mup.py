@@ -186,12 +186,12 @@ def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
                                          (["coord", "--widths="], "--widths= is not a comma-separated list of ints"),
                                          (["transfer", "--depths=2,4", "--lrs=1e-3"], "--depths is for coord"),
                                          (["coord", "--lrs=1e-3"], "--lrs is for transfer"),
-                                         (["coord", "--out=TMP/FILE"], "--out=TMP/FILE is a file, not a directory"),
+                                         (["coord", "--out=TMP/FILE"], "--out=TMP/FILE cannot be written (File exists)"),
                                          (["coord", "--out=TMP/FILE/sub"], "--out=TMP/FILE/sub cannot be written"),
                                          (["coord", "--out=/proc/mugpt"], "--out=/proc/mugpt cannot be written"),
-                                         (["coord", "--out="], "--out is empty"),
-                                         (["coord", "--out=TMP/d"], "--out=TMP/d: TMP/d/coord_check.json is a directory"),
-                                         (["transfer", "--lrs=1e-3", "--out=TMP/d"], "--out=TMP/d: TMP/d/lr_transfer.png is a directory")])
+                                         (["coord", "--out="], "--out= cannot be written (empty)"),
+                                         (["coord", "--out=TMP/d"], "--out=TMP/d cannot be written (coord_check.json or its .png is a directory)"),
+                                         (["transfer", "--lrs=1e-3", "--out=TMP/d"], "--out=TMP/d cannot be written (lr_transfer.json or its .png is a directory)")])
 def test_bad_sweep_arguments_are_one_line_errors_before_any_training(tmp_path, monkeypatch, args, error):
     """Each is refused before the first width trains (which takes minutes at the README's sizes)."""
     def train(*_):
@@ -268,7 +268,7 @@ def test_transfer_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
     (tmp_path / "docs").mkdir()
     shutil.copy(ROOT / "docs" / "mup" / "lr_transfer.json", tmp_path / "docs")
     for where, other, error in [(out, ["--lrs=1e-3,2e-3"], "of other settings (lrs differ)"),
-                                (out, ["--param=sp", "--steps=4"], "of other settings (param, steps differ)"),
+                                (out, ["--param=sp", "--steps=4"], "of other settings (steps, config.param differ)"),
                                 (tmp_path / "docs", [], "of unrecorded settings (an older mup.py's)")]:
         before = {f: f.read_bytes() for f in where.iterdir()}
         with pytest.raises(SystemExit, match="^" + re.escape(f"error: --out={where} holds lr_transfer.json {error}: pick another")):
@@ -287,7 +287,8 @@ def test_coord_makes_again_only_results_of_its_own_settings(tmp_path, monkeypatc
         mup.main([*args, "--widths=32,64", f"--out={tmp_path / 'out'}"])
         result = json.loads((tmp_path / "out" / "coord_check.json").read_text())
         assert result["slopes"] == {"q": [pytest.approx(0.5)] * 3}
-        assert (result["sizes"], result["seeds"], result["resolved_config"]["learning_rate"]) == ([32, 64], 3, 4e-3)
+        settings = result["settings"]
+        assert (settings["sizes"], settings["seeds"], settings["config.learning_rate"]) == ([32, 64], 3, 4e-3)
     (tmp_path / "docs").mkdir()
     shutil.copy(ROOT / "docs" / "mup" / "coord_check.json", tmp_path / "docs")
     for where, other, error in [("out", ["--widths=32,64", "--steps=3"], "of other settings (steps differ)"),

@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
             except ValueError as e:  # a missing or out-of-range flag, off a TPU VM or SLURM (which supply them)
-                raise UsageError(f"--multihost: {e} (off a TPU VM or SLURM: --coordinator_address, --num_processes, --process_id)") from None
+                raise UsageError(f"--multihost: {e} (off a TPU VM or SLURM: --coordinator_address, --num_processes, "
+                                 f"--process_id)") from None
         import checkpoint
         import data
         import train

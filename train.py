@@ -28,9 +28,9 @@ BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): every device holds
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
-    """(replica, fsdp) over `devices` (default all): replicas across granules (the slices of a multi-slice TPU, else
-    the processes) and fsdp within, so FSDP's all-gathers stay on fast links and only gradient reductions cross the
-    slow network. A mesh_replica that is a multiple of the granules splits each into replicas, a divisor makes fsdp span several."""
+    """(replica, fsdp) over `devices` (default all): replicas across granules (a multi-slice TPU's slices, else the
+    processes), fsdp within, so FSDP's all-gathers stay on fast links and only gradient reductions cross the slow
+    network. A mesh_replica that is a multiple of the granules splits each, a divisor makes fsdp span several."""
     devices, r = devices or jax.devices(), cfg.mesh_replica
     slices = len({getattr(d, "slice_index", 0) for d in devices}) > 1
     g = len({d.slice_index if slices else d.process_index for d in devices})
@@ -300,7 +300,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     bar = tqdm(initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True, mininterval=1.0,
                disable=jax.process_index() != 0)
     tokens_per_s, t0, t0_step = None, None, start
-    try:  # the step-0 evaluation too: whatever stops the run (Ctrl-C in it), the bar and the files are closed
+    try:  # the step-0 evaluation too: whatever error stops the run in it, the bar and the files are closed
         last = log_eval(0, None) if start == 0 else None
         with stop_signals() as caught:
             for step in range(start, cfg.max_steps, K := cfg.steps_per_call):  # K steps a call

@@ -61,11 +61,14 @@ def lock_rundir(rundir: epath.Path) -> None:
             raise UsageError(f"{rundir} is in use: another launch.py is training there (wait for it, or pass another --rundir)") from None
 
 
+def saved_steps(rundir: epath.Path) -> list[int]:
+    return ocp.path.step.checkpoint_steps(checkpoints_dir(rundir)) if (rundir / "checkpoints").exists() else []
+
+
 def check_resume(rundir: epath.Path, cfg: Config) -> None:
     """A run stops and saves only between calls of steps_per_call steps, so it resumes only with a K that
     divides its latest checkpoint's step. launch.py asks before it writes anything in the run directory."""
-    steps = ocp.path.step.checkpoint_steps(checkpoints_dir(rundir)) if (rundir / "checkpoints").exists() else []
-    if (latest := max(steps, default=0)) % (K := cfg.steps_per_call):
+    if (latest := max(saved_steps(rundir), default=0)) % (K := cfg.steps_per_call):
         raise UsageError(f"the checkpoint is at step {latest}, not a multiple of steps_per_call={K}: resume with a divisor of it")
 
 
@@ -74,7 +77,11 @@ def record_dataset(rundir: epath.Path, meta: dict, where) -> None:
     whatever becomes of the dataset; a resume on a dataset prepared again (another vocabulary, other token
     counts: other text behind the same ids and offsets) is refused, not trained on. launch.py calls it."""
     path = rundir / "dataset.json"
-    if path.exists() and (old := json.loads(path.read_text())) != meta:
+    try:  # compared once the run has saved a step: a launch that failed before it may bring a new dataset
+        old = json.loads(path.read_text()) if path.exists() and saved_steps(rundir) else meta
+    except ValueError:  # not JSON (a hand edit, a disk error): this launch's record replaces it
+        old = meta
+    if old != meta:
         key = next(k for k in sorted(old.keys() | meta.keys()) if old.get(k) != meta.get(k))
         raise UsageError(f"{where} is not the dataset {rundir} trained on ({key} {str(old.get(key))[:30]} in its dataset.json, "
                          f"{str(meta.get(key))[:30]} now): prepare it as it was, or start a new --rundir")

@@ -87,7 +87,8 @@ def parse_args(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    signal.signal(signal.SIGINT, interrupted)
+    for s in (signal.SIGINT, signal.SIGTERM):  # the loop (checkpoint.stop_signals) takes them over while it trains
+        signal.signal(s, interrupted)
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = apply_overrides(configs.load(args.config), overrides)
@@ -123,12 +124,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
 
 
-def interrupted(*_) -> None:
-    """SIGINT (Ctrl-C) outside the training loop, whose own handler saves and stops (checkpoint.stop_signals):
-    one line and out at once, never a KeyboardInterrupt, which JAX's gc callbacks can swallow (the run goes on)
-    and which, cutting an XLA compilation short, makes the interpreter's exit segfault (jax 0.10)."""
-    print("\nerror: interrupted; a run directory resumes from its last checkpoint when given again as --rundir",
-          file=sys.stderr, flush=True)  # \n: past a progress bar's line
+def interrupted(signum: int, _) -> None:
+    """SIGINT (Ctrl-C) or SIGTERM outside the training loop, whose own handler saves and stops: one line and out at
+    once. Not a KeyboardInterrupt, which JAX's gc callbacks can swallow (the run goes on) and which, cutting an XLA
+    compilation short, makes the interpreter's exit segfault (jax 0.10); SIGTERM's default was a silent kill."""
+    print(f"\nerror: interrupted ({signal.Signals(signum).name}); a run directory resumes from its last checkpoint "
+          f"when given again as --rundir", file=sys.stderr, flush=True)  # \n: past a progress bar's line
     os._exit(1)
 
 

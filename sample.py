@@ -170,6 +170,14 @@ def tokenizer(meta: dict):
     return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))
 
 
+def read_dataset_record(rundir: epath.Path, cfg: Config) -> dict:
+    """launch.py's copy of the dataset's meta.json (for runs before it, or with it unreadable: the dataset's own)."""
+    try:
+        return json.loads((rundir / "dataset.json").read_text())
+    except (OSError, ValueError):
+        return data.read_meta(cfg)
+
+
 def read_config(rundir: epath.Path) -> Config:
     """The run's resolved config (launch.py wrote config.json); fields it lacks take today's defaults."""
     if not rundir.is_dir():
@@ -248,8 +256,7 @@ def main(argv: list[str] | None = None) -> None:
         check_args(args)
         rundir = epath.Path(args.rundir)  # local, or gs://
         cfg = read_config(rundir)
-        record = rundir / "dataset.json"  # launch.py's copy of the dataset's meta.json (runs before it: the dataset's)
-        encode, decode = tokenizer(meta := json.loads(record.read_text()) if record.exists() else data.read_meta(cfg))
+        encode, decode = tokenizer(meta := read_dataset_record(rundir, cfg))
         prompt = encode(read_prompt(args.start))
         if len(prompt) > cfg.block_size:
             print(f"note: the prompt has {len(prompt)} tokens; keeping its last block_size={cfg.block_size}", file=sys.stderr)

@@ -313,17 +313,20 @@ def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shak
     assert all((a == 0).all() for a in state[len(init):])  # Adam moments and counts
 
 
-def test_ctrl_c_during_startup_is_one_line_and_the_run_resumes(shakespeare, tmp_path, env):
-    """SIGINT right after the run directory is written: during restore, compilation and the step-0 evaluation,
-    before the loop's own handler. One line, no traceback; the same command then trains."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tmp_path, env, signum):
+    """Ctrl-C or SIGTERM right after the run directory is written: during restore, compilation and the step-0
+    evaluation, before the loop's own handler. One line (SIGTERM killed silently), no traceback; the same command
+    then trains."""
     rundir = tmp_path / "run"
     proc = start(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), {**env, "PYTHONUNBUFFERED": "1"})
     for line in proc.stdout:
         if line.startswith("run directory"):
             break
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
-    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "interrupted")
+    assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                          f"interrupted ({signal.Signals(signum).name})")
     assert run(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), env).returncode == 0
 
 
@@ -343,6 +346,10 @@ def test_the_run_keeps_its_dataset_record(shakespeare, tmp_path, env):
     r = run(launch_args(rundir, "--config.max_steps=8", f"--config.data_root={data_root}"), env)
     assert_one_line_error(r, f"{data_root / 'shakespeare_char'} is not the dataset {rundir} trained on (tokenizer ")
     assert {name: (rundir / name).read_text() for name in before} == before and committed_steps(rundir) == [4]
+    # before its first checkpoint a run directory takes the dataset as it is now (a launch that failed early)
+    shutil.rmtree(rundir / "checkpoints")
+    assert run(launch_args(rundir, "--config.max_steps=4", f"--config.data_root={data_root}"), env).returncode == 0
+    assert json.loads((rundir / "dataset.json").read_text()) == meta
 
 
 def test_resume_with_another_model_shape_is_one_line_and_writes_nothing(shakespeare, tmp_path, env):

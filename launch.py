@@ -78,7 +78,7 @@ def parse_args(argv: list[str]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
     ap.add_argument("--rundir", help="run directory (default runs/NAME-TIMESTAMP); an existing one is resumed")
-    ap.add_argument("--debug", action="store_true", help="profile a few steps into the run directory; save no checkpoints")
+    ap.add_argument("--debug", action="store_true", help="profile a few steps into the run directory, then stop; save no checkpoints")
     ap.add_argument("--multihost", action="store_true", help="jax.distributed.initialize() first (TPU pods, clusters)")
     ap.add_argument("--coordinator_address", help="multi-host: host:port of process 0 (not needed on TPU VMs)")
     ap.add_argument("--num_processes", type=int, help="multi-host: number of processes (not needed on TPU VMs)")

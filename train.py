@@ -28,9 +28,8 @@ BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): every device holds
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
-    """(replica, fsdp) over `devices` (default all): replicas across granules (a multi-slice TPU's slices, else the
-    processes), fsdp within, so FSDP's all-gathers stay on fast links and only gradient reductions cross the slow
-    network. A mesh_replica that is a multiple of the granules splits each, a divisor makes fsdp span several."""
+    """(replica, fsdp) over `devices` (default all): replicas across granules (a multi-slice TPU's slices, else the processes),
+    fsdp within, so FSDP's all-gathers stay on fast links. A multiple of the granules splits each, a divisor spans several."""
     devices, r = devices or jax.devices(), cfg.mesh_replica
     slices = len({getattr(d, "slice_index", 0) for d in devices}) > 1
     g = len({d.slice_index if slices else d.process_index for d in devices})
@@ -297,22 +296,23 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         with one_line(f"saving a checkpoint to {mngr.directory}"):
             save_checkpoint(mngr, step, model, opt_state, tally.state)
 
-    bar = tqdm(initial=start, total=cfg.max_steps, desc="train", dynamic_ncols=True, mininterval=1.0,
-               disable=jax.process_index() != 0)
+    end = min(start + 8 * cfg.steps_per_call, cfg.max_steps) if debug else cfg.max_steps  # --debug: a profile, then stop
+    bar = tqdm(initial=start, total=end, desc="train", dynamic_ncols=True, mininterval=1.0, disable=jax.process_index() != 0)
     tokens_per_s, t0, t0_step = None, None, start
     try:  # the step-0 evaluation too: whatever error stops the run in it, the bar and the files are closed
         last = log_eval(0, None) if start == 0 else None
         with stop_signals() as caught:
-            for step in range(start, cfg.max_steps, K := cfg.steps_per_call):  # K steps a call
+            for step in range(start, end, K := cfg.steps_per_call):  # K steps a call
                 if debug and step == min(start + 5 * K, cfg.max_steps - K):
                     jax.profiler.start_trace(str(rundir / "profile"))
                 done = step + K
                 batch = data.global_batch(train_tokens, cfg.seed, data.TRAIN, range(step, done), batch_sharding, batch_shape)
                 model, opt_state, metrics = step_fn(model, opt_state, *batch)
                 tally.on_device.append(metrics)
-                if debug and done == min(start + 8 * K, cfg.max_steps):
+                if debug and done == end:
                     jax.block_until_ready(model)
                     jax.profiler.stop_trace()
+                    say(f"--debug: the profile of the steps to {done} is in {rundir / 'profile'}; stopping, nothing saved")
                 if t0 is None:  # time from the end of the first step, so compilation is not counted
                     jax.block_until_ready(metrics)
                     t0, t0_step = time.perf_counter(), done

@@ -313,6 +313,16 @@ def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shak
     assert all((a == 0).all() for a in state[len(init):])  # Adam moments and counts
 
 
+def test_debug_profiles_a_few_steps_then_stops_without_saving(shakespeare, tmp_path, env):
+    """--debug: a jax.profiler trace of steps 6-8 in RUNDIR/profile, then the launch ends (it trained on to max_steps
+    before, with nothing saved: a day's run lost to a flag meant for a quick look)."""
+    rundir = tmp_path / "run"
+    r = run(launch_args(rundir, "--debug", "--config.max_steps=100000", "--config.log_interval=1"), env)
+    assert r.returncode == 0 and f"--debug: the profile of the steps to 8 is in {rundir / 'profile'}" in r.stdout, r.stderr
+    assert max(rec["step"] for rec in records(rundir)) == 8 and committed_steps(rundir) == []
+    assert list((rundir / "profile").rglob("*.xplane.pb"))
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tmp_path, env, signum):
     """Ctrl-C or SIGTERM right after the run directory is written: during restore, compilation and the step-0

@@ -2,7 +2,7 @@
 numbers and plots. Both train the real model with the real train step (train.setup) at the config's
 hyperparameters; a width w is d_model = w with n_head = w / head_dim (the head dim stays fixed).
 
-    python mup.py coord --config=NAME --widths=64,128,256,512 --steps=5 [--param=sp] [--depths=2,4,8] --out=DIR
+    python mup.py coord --config=NAME --widths=64,128,256,512 --steps=5 [--param=sp] [--depths=2,4,8] --out=DIR [--config.F=V]
 
 trains each width (or, with --depths, each depth at the config's width) --steps steps on one fixed
 batch at a constant LR, from 3 seeds, and records the mean |x| of every activation model.tap names
@@ -10,7 +10,7 @@ before each step and after the last. Under muP each stays the same size as the w
 coord_check.json holds each activation's fitted slopes of log2 mean|x| against log2 width, one per step
 (index 0 = at init), and DIR/coord_check.png shows them (the "coordinate check" of TP5 and microsoft/mup).
 
-    python mup.py transfer --config=NAME --widths=64,128,256 --lrs=1e-3,2e-3,4e-3 --steps=200 [--param=sp] --out=DIR
+    python mup.py transfer --config=NAME --widths=64,128,256 --lrs=1e-3,2e-3,4e-3 --steps=200 [--param=sp] --out=DIR [--config.F=V]
 
 trains every (width, LR) pair on the same batches with the config's schedule compressed to --steps
 steps, and writes the final validation loss after each width: DIR/lr_transfer.json (the grid and the
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--param", choices=["mup", "sp"], help="override the config's parametrization")
     ap.add_argument("--seeds", type=int, default=3, help="coord: seeds to average over")
     ap.add_argument("--out", required=True, help="output directory")
-    args = ap.parse_args(argv)
+    args, overrides = ap.parse_known_args(argv)  # --config.FIELD=VALUE, as launch.py takes them
     transfer = args.command == "transfer"
 
     def interrupted(*_):
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
 
     previous = signal.signal(signal.SIGINT, interrupted)
     try:
-        cfg = configs.load(args.config)
+        cfg = configs.apply_overrides(configs.load(args.config), overrides)
         # one device (one_device_mesh): the sweeps compare widths and learning rates, not speed
         cfg = dataclasses.replace(cfg, param=args.param or cfg.param, mesh_replica=1, cpu_devices=1)
         for flag, value in (("--steps", args.steps), ("--seeds", args.seeds)):

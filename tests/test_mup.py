@@ -190,6 +190,7 @@ def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
                                          (["coord", "--out=TMP/FILE/sub"], "--out=TMP/FILE/sub cannot be written"),
                                          (["coord", "--out=/proc/mugpt"], "--out=/proc/mugpt cannot be written"),
                                          (["coord", "--out="], "--out= cannot be written (empty)"),
+                                         (["coord", "--config.n_layers=2"], "unknown config field 'n_layers'; did you mean n_layer"),
                                          (["coord", "--out=TMP/d"], "--out=TMP/d cannot be written (coord_check.json or its .png is a directory)"),
                                          (["transfer", "--lrs=1e-3", "--out=TMP/d"], "--out=TMP/d cannot be written (lr_transfer.json or its .png is a directory)")])
 def test_bad_sweep_arguments_are_one_line_errors_before_any_training(tmp_path, monkeypatch, args, error):
@@ -289,6 +290,8 @@ def test_coord_makes_again_only_results_of_its_own_settings(tmp_path, monkeypatc
         assert result["slopes"] == {"q": [pytest.approx(0.5)] * 3}
         settings = result["settings"]
         assert (settings["sizes"], settings["seeds"], settings["config.learning_rate"]) == ([32, 64], 3, 4e-3)
+    mup.main([*args, "--widths=32,64", "--config.learning_rate=1e-3", f"--out={tmp_path / 'lr'}"])  # as launch.py takes it
+    assert json.loads((tmp_path / "lr" / "coord_check.json").read_text())["settings"]["config.learning_rate"] == 1e-3
     (tmp_path / "docs").mkdir()
     shutil.copy(ROOT / "docs" / "mup" / "coord_check.json", tmp_path / "docs")
     for where, other, error in [("out", ["--widths=32,64", "--steps=3"], "of other settings (steps differ)"),

@@ -81,7 +81,7 @@ def record_dataset(rundir: epath.Path, meta: dict, where) -> None:
         old = json.loads(path.read_text()) if path.exists() and saved_steps(rundir) else meta
     except ValueError:  # not JSON (a hand edit, a disk error): this launch's record replaces it
         old = meta
-    if old != meta:
+    if old != meta and isinstance(old, dict):  # (JSON but no object: replaced too)
         key = next(k for k in sorted(old.keys() | meta.keys()) if old.get(k) != meta.get(k))
         raise UsageError(f"{where} is not the dataset {rundir} trained on ({key} {str(old.get(key))[:30]} in its dataset.json, "
                          f"{str(meta.get(key))[:30]} now): prepare it as it was, or start a new --rundir")

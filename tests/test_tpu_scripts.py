@@ -385,6 +385,7 @@ def test_usage_errors(stub, args):
     """A verb given what it does not take says so in one line and runs nothing (copy --dry-run copies nothing)."""
     r = tpu(stub, *args)
     assert r.returncode == 1 and r.stderr.startswith("tpu.sh: ") and r.stderr.count("\n") == 1, r.stderr
+    assert calls(stub) == []  # no gcloud command ran
     assert calls(stub) == []
 
 

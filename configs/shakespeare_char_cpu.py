@@ -7,8 +7,9 @@ data-parallel (cpu_devices, mesh_replica): 53 -> 38 ms a step on 2 cores (32 ms 
 and 5 steps run in each call (steps_per_call), which saves the host's gap between them (~10%).
 Schedule and optimizer: the fewest steps that end at val <= 1.70 over seeds 0-2 (BENCHMARKS.md). At
 1000 steps alpha_out 2 (logits x2; 0.5 did worse), beta1 0.8 and beta2 0.95 each helped a little, and
-together at 1200 steps they end at 1.680 / 1.651 / 1.697 (seeds 0 / 1 / 2), at 1300 at 1.669 / 1.637 /
-1.684. One evaluation at the end (and the one at step 0): each costs ~1 s of the quickstart's minute."""
+together at 1200 steps they end at 1.682 / 1.666 / 1.695 (seeds 0 / 1 / 2; 1.680 / 1.651 / 1.697 before
+mlp.down's (D, F) layout drew other initial values), at 1300 at 1.669 / 1.637 / 1.684 (before it). One
+evaluation at the end (and the one at step 0): each costs ~1 s of the quickstart's minute."""
 from configs import Config
 
 config = Config(dataset="shakespeare_char", vocab_size=65, n_layer=4, n_head=4, d_model=128, block_size=64,

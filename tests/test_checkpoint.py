@@ -385,8 +385,8 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_arrays(tmp_path):
     with pytest.raises(UsageError) as e:
         restore_checkpoint(mngr, s2.model, s2.opt_state)
     assert str(e.value).startswith("the checkpoint of step 3 does not fit the model that model.py and the config build: "
-                                   "model.blocks.attn_norm absent there, (2, 32) here; model.blocks.mlp.down (2, 128, 32) "
-                                   "there, (2, 256, 32) here; model.blocks.mlp.up (2, 32, 128) there, (2, 32, 256) here; ...")
+                                   "model.blocks.attn_norm absent there, (2, 32) here; model.blocks.mlp.down (2, 32, 128) "
+                                   "there, (2, 32, 256) here; model.blocks.mlp.up (2, 32, 128) there, (2, 32, 256) here; ...")
     assert all(not x.is_deleted() for x in jax.tree.leaves(eqx.filter((s2.model, s2.opt_state), eqx.is_array)))
 
 

@@ -45,7 +45,7 @@ def numpy_forward(gpt: M.GPT, cfg, tokens: np.ndarray) -> np.ndarray:
         x = x + np.einsum("thk,hkd->td", out, b.attn.out)
         u = rms(x) @ b.mlp.up
         gelu = 0.5 * u * (1 + np.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
-        x = x + gelu @ b.mlp.down
+        x = x + gelu @ b.mlp.down.T
     return rms(x) @ (emb.embed if cfg.tie_embeddings else emb.unembed).T
 
 

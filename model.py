@@ -133,7 +133,7 @@ class Attention(eqx.Module):
 
 class MLP(eqx.Module):
     up: Float[Array, "D F"]
-    # (D, F), used transposed: XLA:CPU forms its gradient g^T h ~1.6x faster than an (F, D) one (BENCHMARKS.md)
+    # (D, F), used transposed: XLA:CPU forms its gradient g^T h ~1.7x faster than an (F, D) one (BENCHMARKS.md)
     down: Float[Array, "D F"]
     dtype: str = eqx.field(static=True)
     act: Callable[[Array], Array] = eqx.field(static=True)  # GELU: jax.nn.gelu, or kernels.gelu (gpt_skeleton)

@@ -1,11 +1,14 @@
-"""Time the real train step:  python bench.py --config=NAME [--config.FIELD=VALUE ...] [--steps=N] [--torch] [--trace=DIR]
+"""Time the real train step:
+    python bench.py --config=NAME [--config.FIELD=VALUE ...] [--steps=N] [--torch] [--trace=DIR]
 
-Builds the step with train.setup() (the code path training uses), compiles it, warms up, times N steps on
-random tokens and prints one JSON line. On a CPU, which has no datasheet peak, it also times a large
-matmul in the same process and reports the step's FLOP rate as a fraction of that measured peak.
---torch also times a straightforward eager PyTorch version of the same model in the same process, in
-blocks that alternate with the JAX step's, and reports the medians. --trace=DIR also traces 3 calls with
-jax.profiler into DIR (tensorboard's profile tab, ui.perfetto.dev) and prints to stderr where the time went.
+Builds the step with train.setup() (the code path training uses, kernels' self-check included),
+compiles it, warms up, times N steps on random tokens and prints one JSON line. On a CPU, which has
+no datasheet peak, it also times a large matmul in the same process and reports the step's FLOP
+rate as a fraction of that measured peak. --torch also times a straightforward eager PyTorch
+version of the same model in the same process, in blocks that alternate with the JAX step's, and
+reports the medians. --trace=DIR also traces 3 steps with jax.profiler into DIR (tensorboard's
+profile tab, ui.perfetto.dev) and prints to stderr where the time went.
+Split a CPU into N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 import argparse
 import collections
@@ -24,8 +27,8 @@ TORCH_BLOCKS = 6  # with --torch: JAX and PyTorch timed in this many alternating
 
 
 def time_calls(step, state: tuple, batch: tuple, sharding, calls: int) -> tuple[float, tuple]:
-    """Seconds per call of the train step (steps_per_call steps) over `calls` calls, and the state after
-    them. Each call puts its batches on the devices as training does."""
+    """Seconds per step over `calls` steps, and the state after them. Each step puts its batch on
+    the devices as training does."""
     import jax
 
     t0 = time.perf_counter()
@@ -35,9 +38,10 @@ def time_calls(step, state: tuple, batch: tuple, sharding, calls: int) -> tuple[
     return (time.perf_counter() - t0) / calls, tuple(state)
 
 
-def trace_ops(step, state: tuple, batch: tuple, sharding, steps_per_call: int, trace_dir: str, top: int = 25) -> dict:
-    """Trace 3 calls with jax.profiler and sum, per op name, the time XLA's ops took: on a GPU or TPU the
-    device's kernels, on a CPU the XLA:CPU thunks (all devices together). Milliseconds a step, largest first."""
+def trace_ops(step, state: tuple, batch: tuple, sharding, trace_dir: str, top: int = 25) -> dict:
+    """Trace 3 steps with jax.profiler and sum, per op name, the time XLA's ops took: on a GPU or
+    TPU the device's kernels, on a CPU the XLA:CPU thunks (all devices together). Milliseconds a
+    step, largest first."""
     import jax
 
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
@@ -51,7 +55,7 @@ def trace_ops(step, state: tuple, batch: tuple, sharding, steps_per_call: int, t
     for e in events:
         if e.get("ph") == "X" and (("/device:" in process.get(e["pid"], "")) if on_device else "hlo_op" in e.get("args", {})):
             if not re.match(r"(while|conditional|call)(\.\d+)?$", e["name"]):  # loops contain the ops counted
-                total[e["name"]] += e["dur"] / 1e3 / (3 * steps_per_call)
+                total[e["name"]] += e["dur"] / 1e3 / 3
     return dict(total.most_common(top))
 
 
@@ -128,59 +132,68 @@ def time_torch(step, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def kernels_in(gpt) -> set[str]:
+    """The model.py functions that run as fused kernels in this model (kernels.select chose)."""
+    attn = gpt.blocks.attn
+    return {name for name in ("attend", "qk_norm_rope") if getattr(attn, f"fast_{name}")}
+
+
 def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | None = None) -> dict:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    import metrics
     import model
     import train
 
     cfg.check(jax.device_count())
     mesh = train.make_mesh(cfg)
     s = train.setup(cfg, mesh)
-    rng, K = np.random.default_rng(0), cfg.steps_per_call
-    x, y = (rng.integers(0, cfg.vocab_size, (K, cfg.grad_accum, cfg.microbatch_size, cfg.block_size), dtype=np.int32)
-            for _ in range(2))
-    sharding = NamedSharding(mesh, P(None, *train.BATCH_SPEC))
-    first_s, state = time_calls(s.step, (s.model, s.opt_state), (x, y), sharding, 1)  # traces and compiles
-    _, state = time_calls(s.step, state, (x, y), sharding, 2)  # warm up
-    calls = -(-steps // K)
+    rng = np.random.default_rng(0)
+    shape = (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
+    x, y = (rng.integers(0, cfg.vocab_size, shape, dtype=np.int32) for _ in range(2))
+    sharding = NamedSharding(mesh, train.BATCH_SPEC)
+    # the first step traces and compiles; two more warm up
+    first_s, state = time_calls(s.step, (s.model, s.opt_state), (x, y), sharding, 1)
+    _, state = time_calls(s.step, state, (x, y), sharding, 2)
     if with_torch:  # alternating blocks, so that the machine's drift over the run hits both alike
-        torch_fn, blocks, jax_s, torch_s = torch_step(cfg), min(TORCH_BLOCKS, calls), [], []
+        torch_fn, blocks, jax_s, torch_s = torch_step(cfg), min(TORCH_BLOCKS, steps), [], []
         for b in range(blocks):
-            n = calls // blocks + (b < calls % blocks)
-            # one untimed call (and torch step) first, so that the other framework's threads settle
+            n = steps // blocks + (b < steps % blocks)
+            # one untimed step of each first, so that the other framework's threads settle
             _, state = time_calls(s.step, state, (x, y), sharding, 1)
-            call_s, state = time_calls(s.step, state, (x, y), sharding, n)
-            jax_s.append(call_s / K)
+            step_s, state = time_calls(s.step, state, (x, y), sharding, n)
+            jax_s.append(step_s)
             torch_fn()
-            torch_s.append(time_torch(torch_fn, n * K))
+            torch_s.append(time_torch(torch_fn, n))
         step_s, torch_s = float(np.median(jax_s)), float(np.median(torch_s))
     else:
-        call_s, state = time_calls(s.step, state, (x, y), sharding, calls)
-        step_s = call_s / K
+        step_s, state = time_calls(s.step, state, (x, y), sharding, steps)
     if trace_dir:
-        ops = trace_ops(s.step, state, (x, y), sharding, K, trace_dir)
+        ops = trace_ops(s.step, state, (x, y), sharding, trace_dir)
         print(f"ms a step in the ops that took the most, traced into {trace_dir}:", file=sys.stderr)
         print("\n".join(f"{ms:9.3f}  {name}" for name, ms in ops.items()), file=sys.stderr)
     device = jax.devices()[0]
-    flops = model.flops_per_token(cfg)
+    flops = model.flops_per_token(s.model, cfg.block_size)
     tokens_per_s = cfg.batch_size * cfg.block_size / step_s
-    peak = train.peak_flops(device)
+    peak = metrics.peak_flops(device)
     memory = device.memory_stats() or {}
     result = {
         "device_kind": device.device_kind, "device_count": jax.device_count(),
-        "jax_version": jax.__version__, "tokens_per_s": round(tokens_per_s, 1), "step_ms": round(1e3 * step_s, 2),
-        "flops_per_token": flops, "flops_formula": "6N + 12*L*D*T (PaLM app. B; N = block and readout weights)",
+        "jax_version": jax.__version__, "tokens_per_s": round(tokens_per_s, 1),
+        "step_ms": round(1e3 * step_s, 2), "flops_per_token": flops,
+        "flops_formula": "6N + 12*L*H*K*T (PaLM app. B; N = the block and readout matrices)",
         "mfu": round(tokens_per_s * flops / (peak * jax.device_count()), 4) if peak else None,
-        "compile_s": round(first_s - K * step_s, 2), "peak_memory_bytes": memory.get("peak_bytes_in_use"),
-        "compute_dtype": cfg.compute_dtype, "remat": cfg.remat, "scan_unroll": cfg.scan_unroll,
-        "steps_per_call": K,
+        "compile_s": round(first_s - step_s, 2),
+        "peak_memory_bytes": memory.get("peak_bytes_in_use"), "compute_dtype": cfg.compute_dtype,
+        "remat": cfg.remat, "scan_unroll": cfg.scan_unroll,
+        "kernels": sorted(kernels_in(s.model)),
     }
     if device.platform == "cpu":
         measured = matmul_peak(cfg.compute_dtype)
-        result |= {"matmul_peak_flops": round(measured), "fraction_of_matmul_peak": round(tokens_per_s * flops / measured, 4)}
+        result |= {"matmul_peak_flops": round(measured),
+                   "fraction_of_matmul_peak": round(tokens_per_s * flops / measured, 4)}
     if with_torch:
         result |= {"torch_step_ms": round(1e3 * torch_s, 2), "step_over_torch": float(f"{step_s / torch_s:.4g}")}
     return result
@@ -204,10 +217,10 @@ def main() -> None:
                 Path(args.trace).mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
-        cfg.split_cpu()  # after parsing, as launch.py: a typo should not wait for jax to load
-        import train
+        import train  # after parsing, as launch.py: a typo should not wait for jax to load
 
-        print(json.dumps({"name": args.config, **train.explain_out_of_memory(bench)(cfg, args.steps, args.torch, args.trace)}))
+        result = train.explain_out_of_memory(bench)(cfg, args.steps, args.torch, args.trace)
+        print(json.dumps({"name": args.config, **result}))
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
 

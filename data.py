@@ -1,8 +1,8 @@
 """Prepare token bins, and read batches from them.
 
-    python data.py shakespeare_char            # characters of tiny-shakespeare (downloaded when absent)
-    python data.py openwebtext                 # HF openwebtext, GPT-2 BPE
-    python data.py NAME --source=HF_ID|FILES   # any HF dataset id, or local .txt/.json/.jsonl files
+    python data.py shakespeare_char           # tiny-shakespeare's characters (fetched if absent)
+    python data.py openwebtext                # HF openwebtext, GPT-2 BPE
+    python data.py NAME --source=HF_ID|FILES  # a HF dataset id, or local .txt/.json/.jsonl files
 
 Each writes data/NAME/: train.bin and val.bin (flat token ids, uint16 when the vocabulary fits,
 else uint32) and meta.json (vocabulary, dtype, token counts, and how to encode/decode text).
@@ -23,11 +23,13 @@ import numpy as np
 from configs import Config, UsageError
 
 ROOT = Path(__file__).resolve().parent
-SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                   "tinyshakespeare/input.txt")
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 HF_SOURCES = {"openwebtext": "Skylion007/openwebtext"}
-TEXT_SUFFIXES = (".txt", ".json", ".jsonl")  # what a folder is searched for; a glob's matches are text unless .json/.jsonl
-# Streams of the (seed, stream, step) batch generator: training batches and the two fixed eval sets.
+# What a folder is searched for; a glob's matches are text unless .json/.jsonl.
+TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
+# Streams of the (seed, stream, step) batch generator: training batches, and two fixed eval sets.
 TRAIN, EVAL_TRAIN, EVAL_VAL = 0, 1, 2
 
 
@@ -36,24 +38,28 @@ def data_dir(cfg: Config) -> Path:
 
 
 def write_dataset(out: Path, splits: dict, vocab_size: int, tokenizer: dict) -> None:
-    """Write {split}.bin from each split's chunks of token ids, one chunk in memory at a time (openwebtext's
-    9B ids as int64 are 72 GB), then meta.json: removed first and written last, so a dataset cut off
-    halfway has none and load_split refuses it."""
+    """Write {split}.bin from each split's chunks of token ids, one chunk in memory at a time
+    (openwebtext's 9B ids as int64 are 72 GB), then meta.json: removed first and written last,
+    so a dataset cut off halfway has none and load_split refuses it."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
     dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
     counts = {}
     for split, chunks in splits.items():
-        counts[f"{split}_tokens"], tmp = 0, out / f"{split}.bin.tmp"
-        with open(tmp, "wb") as f:  # then renamed: a run's memmap of the old file keeps its inode (not a SIGBUS)
+        counts[f"{split}_tokens"] = 0
+        # Written aside, then renamed: a reader's memmap keeps the old inode (not a SIGBUS).
+        tmp = out / f"{split}.bin.tmp"
+        with open(tmp, "wb") as f:
             for chunk in map(np.asarray, chunks):
                 assert chunk.size == 0 or 0 <= int(chunk.min()) <= int(chunk.max()) < vocab_size
                 chunk.astype(dtype).tofile(f)
                 counts[f"{split}_tokens"] += chunk.size
         os.replace(tmp, out / f"{split}.bin")
-    meta = {"vocab_size": vocab_size, "dtype": np.dtype(dtype).name, **counts, "tokenizer": tokenizer}
+    meta = {"vocab_size": vocab_size, "dtype": np.dtype(dtype).name, **counts,
+            "tokenizer": tokenizer}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    print(f"{out}: {counts['train_tokens']:,} train and {counts['val_tokens']:,} val tokens, vocab {vocab_size}")
+    print(f"{out}: {counts['train_tokens']:,} train and {counts['val_tokens']:,} val tokens, "
+          f"vocab {vocab_size}")
 
 
 def prepare_shakespeare_char(out: Path) -> None:
@@ -61,104 +67,138 @@ def prepare_shakespeare_char(out: Path) -> None:
     src = out / "input.txt"
     if not src.exists():
         print(f"downloading {SHAKESPEARE_URL}")
-        try:  # read whole (1 MB) before writing: a failed download leaves no partial input.txt
+        # Read whole (1 MB) before writing: a failed download leaves no partial input.txt.
+        try:
             text = urllib.request.urlopen(SHAKESPEARE_URL, timeout=60).read()
         except Exception as e:  # offline (URLError), a timeout, a cut-off read
-            raise UsageError(f"cannot download {SHAKESPEARE_URL} ({e}): get internet, or put the file at {src}") from None
+            raise UsageError(f"cannot download {SHAKESPEARE_URL} ({e}): "
+                             f"get internet, or put the file at {src}") from None
         out.mkdir(parents=True, exist_ok=True)
         src.write_bytes(text)
     if hashlib.sha256(src.read_bytes()).hexdigest() != SHAKESPEARE_SHA256:
-        raise UsageError(f"{src} does not have the tiny-shakespeare sha256 {SHAKESPEARE_SHA256}; delete it to download again")
-    chars, ids = np.unique(list(src.read_text()), return_inverse=True)  # the sorted characters, and each one's index
+        raise UsageError(f"{src} does not have the tiny-shakespeare sha256 {SHAKESPEARE_SHA256}; "
+                         "delete it to download again")
+    chars, ids = np.unique(list(src.read_text()), return_inverse=True)  # each char's index
     n = int(len(ids) * 0.9)
-    write_dataset(out, {"train": [ids[:n]], "val": [ids[n:]]}, len(chars), {"kind": "char", "chars": "".join(chars)})
+    tokenizer = {"kind": "char", "chars": "".join(chars)}
+    write_dataset(out, {"train": [ids[:n]], "val": [ids[n:]]}, len(chars), tokenizer)
 
 
 def documents(files: list[str], text_field: str, stamp=None):
-    """{text_field: text} for each document of local files: a record of a .json/.jsonl file (JSON lines: an object
-    a line), a paragraph of any other file (lines up to a blank line). A bad file is a UsageError naming it.
-    `stamp` only keys datasets' cache of the documents: the files' sizes and times, and this code."""
+    """{text_field: text} for each document of local files: a record of a .json/.jsonl file
+    (JSON lines: an object a line), a paragraph of any other file (lines up to a blank line).
+    A bad file is a UsageError naming it. `stamp` only keys datasets' cache of the documents:
+    the files' sizes and times, and this code."""
     for name in files:
         n = 0  # the records read, for the error
         try:
             with open(name, encoding="utf-8") as f:
-                records = map(json.loads, filter(str.strip, f)) if Path(name).suffix.lower() in (".json", ".jsonl") else \
-                    ({text_field: "".join(p).rstrip("\n")} for blank, p in itertools.groupby(f, str.isspace) if not blank)
+                if Path(name).suffix.lower() in (".json", ".jsonl"):
+                    records = map(json.loads, filter(str.strip, f))
+                else:
+                    paragraphs = itertools.groupby(f, str.isspace)
+                    records = ({text_field: "".join(p).rstrip("\n")}
+                               for blank, p in paragraphs if not blank)
                 for n, record in enumerate(records, 1):
                     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise UsageError(f"{name}: {str(record)[:60]} has no {text_field!r} text: pass --text_field, or fix it")
+                        raise UsageError(f"{name}: {str(record)[:60]} has no {text_field!r} text: "
+                                         "pass --text_field, or fix it")
                     yield {text_field: record[text_field]}
         except UnicodeDecodeError as e:
-            raise UsageError(f"{name} is not UTF-8 text ({e}): convert it, or leave it out") from None
+            raise UsageError(f"{name} is not UTF-8 text ({e}): "
+                             "convert it, or leave it out") from None
         except json.JSONDecodeError as e:
-            raise UsageError(f"{name}, record {n + 1}: {e}; write one JSON object a line, or name the file .txt") from None
+            raise UsageError(f"{name}, record {n + 1}: {e}; "
+                             "write one JSON object a line, or name the file .txt") from None
 
 
-def prepare_text(out: Path, source: str, text_field: str = "text", val_fraction: float | None = None) -> None:
-    """GPT-2 BPE (tiktoken, encode_ordinary + <|endoftext|> after each document) of a HF dataset id
-    or of local files; the shuffled split by documents and shard-wise writing follow nanoGPT's prepare.py."""
+def prepare_text(out: Path, source: str, text_field: str = "text",
+                 val_fraction: float | None = None) -> None:
+    """GPT-2 BPE (tiktoken, encode_ordinary + <|endoftext|> after each document) of a HF dataset
+    id or of local files; the shuffled split by documents and shard-wise writing follow nanoGPT's
+    prepare.py."""
     import datasets
 
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise UsageError(f"--val_fraction={val_fraction} is not between 0 and 1")
-    matches = glob.glob(os.path.expanduser(source), recursive=True)  # a folder among them: its files, recursively
-    files = sorted({str(p) for m in map(Path, matches) for p in (m.rglob("*") if m.is_dir() else [m])
+    # A folder among the matches stands for its files, recursively.
+    matches = glob.glob(os.path.expanduser(source), recursive=True)
+    files = sorted({str(p) for m in map(Path, matches)
+                    for p in (m.rglob("*") if m.is_dir() else [m])
                     if p.is_file() and (p == m or p.suffix.lower() in TEXT_SUFFIXES)})
     enc = encoding("gpt2")
     if files:
-        stamp = repr([Path(__file__).read_text()] + [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files])
+        code = Path(__file__).read_text()
+        stamp = repr([code] + [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files])
+        gen_kwargs = dict(files=files, text_field=text_field, stamp=stamp)
         try:
-            ds = datasets.Dataset.from_generator(documents, gen_kwargs=dict(files=files, text_field=text_field, stamp=stamp))
-        except datasets.exceptions.DatasetGenerationError as e:  # around documents' UsageError; no documents: SchemaInference
+            ds = datasets.Dataset.from_generator(documents, gen_kwargs=gen_kwargs)
+        # datasets wraps documents' UsageError; no documents at all is a SchemaInferenceError.
+        except datasets.exceptions.DatasetGenerationError as e:
             if isinstance(e.__cause__, datasets.arrow_writer.SchemaInferenceError):
                 raise UsageError(f"{source} holds no text: its files are empty or blank") from None
             raise e.__cause__ if isinstance(e.__cause__, UsageError) else e
-    elif matches or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source) or Path(source).suffix.lower() in TEXT_SUFFIXES \
-            or os.path.isdir(Path(source).parts[0]):  # a path, not a Hub id: fail now, not after ~25 s of Hub retries
-        raise UsageError(f"no files in {source!r} (folders are searched for .txt/.json/.jsonl): check it, or quote a glob")
+    # A path, not a Hub id: fail now, not after the Hub's retries.
+    elif (matches or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source)
+          or Path(source).suffix.lower() in TEXT_SUFFIXES or os.path.isdir(Path(source).parts[0])):
+        raise UsageError(f"no files in {source!r} (folders are searched for .txt/.json/.jsonl): "
+                         "check it, or quote a glob")
     else:
         try:
             ds = datasets.load_dataset(source, split="train", trust_remote_code=False)
         except Exception as e:  # not found, no network, ...: datasets' own reason, on one line
-            raise UsageError(f"no local files match {source!r}, and as a Hugging Face dataset id it failed: "
-                             f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+            reason = " ".join(str(e).split())[:300]
+            raise UsageError(f"no local files match {source!r}, and as a Hugging Face dataset id "
+                             f"it failed: {type(e).__name__}: {reason}") from None
     if text_field not in ds.column_names:
-        raise UsageError(f"{source} has no field {text_field!r} (fields: {ds.column_names}); pass --text_field")
+        raise UsageError(f"{source} has no field {text_field!r} (fields: {ds.column_names}); "
+                         "pass --text_field")
     if len(ds) < 2:  # a text file's documents are its paragraphs
-        raise UsageError(f"{source} has {len(ds)} document(s); a train/val split needs 2 (separate them by blank lines)")
-    # nanoGPT holds out 0.0005 of openwebtext's 8M documents (~4000); a small corpus needs a larger share
-    n_val = round(val_fraction * len(ds)) if val_fraction else max(min(len(ds) // 10, 1000), round(0.0005 * len(ds)))
-    split = ds.train_test_split(test_size=min(max(1, n_val), len(ds) - 1), seed=2357, shuffle=True)
+        raise UsageError(f"{source} has {len(ds)} document(s); a train/val split needs 2 "
+                         "(separate them by blank lines)")
+    # nanoGPT holds out 0.0005 of openwebtext's 8M documents (~4000); a small corpus needs more.
+    default = max(min(len(ds) // 10, 1000), round(0.0005 * len(ds)))
+    n_val = round(val_fraction * len(ds)) if val_fraction else default
+    n_val = min(max(1, n_val), len(ds) - 1)
+    split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
     nproc = max(1, min(8, (os.cpu_count() or 2) // 2)) if len(ds) > 1000 else None
     tokens = split.map(lambda row: {"ids": enc.encode_ordinary(row[text_field]) + [enc.eot_token]},
                        remove_columns=ds.column_names, num_proc=nproc, desc="tokenizing")
 
-    def chunks(part):  # the ids shard by shard (1/1024 of a split), each read in turn from datasets' on-disk cache
+    # The ids shard by shard (1/1024 of a split), read in turn from datasets' disk cache.
+    def chunks(part):
         n = min(1024, len(part))
-        return (np.concatenate(part.shard(n, i, contiguous=True).with_format("numpy")["ids"]) for i in range(n))
+        shards = (part.shard(n, i, contiguous=True).with_format("numpy") for i in range(n))
+        return (np.concatenate(shard["ids"]) for shard in shards)
 
-    write_dataset(out, {"train": chunks(tokens["train"]), "val": chunks(tokens["test"])}, enc.n_vocab,
-                  {"kind": "tiktoken", "encoding": "gpt2"})
+    splits = {"train": chunks(tokens["train"]), "val": chunks(tokens["test"])}
+    write_dataset(out, splits, enc.n_vocab, {"kind": "tiktoken", "encoding": "gpt2"})
 
 
 def encoding(name: str):
     import tiktoken
     try:
         return tiktoken.get_encoding(name)
-    except Exception as e:  # its files are fetched once into its cache (TIKTOKEN_CACHE_DIR): offline, a ConnectionError
-        raise UsageError(f"cannot load tiktoken's {name} encoding ({type(e).__name__}): get internet, or set "
-                         f"TIKTOKEN_CACHE_DIR to a folder of its cached files") from None
+    # Its files are fetched once into its cache (TIKTOKEN_CACHE_DIR): offline, a ConnectionError.
+    except Exception as e:
+        why = f"cannot load tiktoken's {name} encoding ({type(e).__name__})"
+        raise UsageError(f"{why}: get internet, or set TIKTOKEN_CACHE_DIR to a folder of its "
+                         "cached files") from None
 
 
 def read_meta(cfg: Config) -> dict:
     path = data_dir(cfg) / "meta.json"
-    if not path.exists() and cfg.dataset == "shakespeare_char":  # 1 MB: prepared where first needed (the quickstart)
+    # 1 MB of text: prepared where first needed, so the quickstart is one command.
+    if not path.exists() and cfg.dataset == "shakespeare_char":
         prepare_shakespeare_char(path.parent)
     if not path.exists():
-        raise UsageError(f"no dataset at {path.parent}: prepare it with `python data.py {cfg.dataset}`")
-    try:  # what load_split and tokenizer read, so that a hand-edited file is one line, not a KeyError
+        raise UsageError(f"no dataset at {path.parent}: "
+                         f"prepare it with `python data.py {cfg.dataset}`")
+    # All that load_split and tokenizer read: a hand-edited file is one line, not a KeyError.
+    try:
         meta = json.loads(path.read_text())
-        np.dtype(meta["dtype"]), int(meta["vocab_size"]), int(meta["train_tokens"]), int(meta["val_tokens"])
+        np.dtype(meta["dtype"])
+        int(meta["vocab_size"]), int(meta["train_tokens"]), int(meta["val_tokens"])
         meta["tokenizer"]["chars" if meta["tokenizer"]["kind"] == "char" else "encoding"]
     except (ValueError, KeyError, TypeError):
         raise UsageError(f"{path} is corrupt: rerun `python data.py {cfg.dataset}`") from None
@@ -173,68 +213,82 @@ def load_split(cfg: Config, split: str) -> np.ndarray:
     if not path.exists():
         raise UsageError(f"{path} is missing; {redo}")
     dtype = np.dtype(meta["dtype"])
-    if path.stat().st_size != meta[f"{split}_tokens"] * dtype.itemsize:
-        raise UsageError(f"{path} is truncated or corrupt: {path.stat().st_size} bytes, meta.json says "
-                         f"{meta[f'{split}_tokens']} {dtype.name} tokens; {redo}")
+    n_tokens = meta[f"{split}_tokens"]
+    if path.stat().st_size != n_tokens * dtype.itemsize:
+        raise UsageError(f"{path} is truncated or corrupt: {path.stat().st_size} bytes, "
+                         f"meta.json says {n_tokens} {dtype.name} tokens; {redo}")
     if meta["vocab_size"] > cfg.vocab_size:
-        raise UsageError(f"dataset {cfg.dataset} has token ids up to {meta['vocab_size'] - 1}, beyond the model's "
-                         f"vocab_size={cfg.vocab_size}; set --config.vocab_size={meta['vocab_size']}")
+        raise UsageError(f"dataset {cfg.dataset} has token ids up to {meta['vocab_size'] - 1}, "
+                         f"beyond the model's vocab_size={cfg.vocab_size}; "
+                         f"set --config.vocab_size={meta['vocab_size']}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
-    if tokens.size <= 2**28 and tokens.size and int(tokens.max()) >= meta["vocab_size"]:  # a scan costs < 1 s
-        raise UsageError(f"{path} holds token id {int(tokens.max())} >= its vocab_size {meta['vocab_size']}: corrupt; {redo}")
+    # Small splits are checked whole; openwebtext's is too big to read through at every start.
+    if tokens.size <= 2**28 and tokens.size and int(tokens.max()) >= meta["vocab_size"]:
+        raise UsageError(f"{path} holds token id {int(tokens.max())} >= "
+                         f"its vocab_size {meta['vocab_size']}: corrupt; {redo}")
     if tokens.size < cfg.block_size + 2:
-        more = ", or prepare it again with a larger --val_fraction" if split == "val" and cfg.dataset != "shakespeare_char" else ""
-        raise UsageError(f"block_size={cfg.block_size} is longer than the {split} split of {cfg.dataset} "
-                         f"({tokens.size} tokens); lower --config.block_size{more}")
+        more = ""
+        if split == "val" and cfg.dataset != "shakespeare_char":
+            more = ", or prepare it again with a larger --val_fraction"
+        raise UsageError(f"block_size={cfg.block_size} is longer than the {split} split of "
+                         f"{cfg.dataset} ({tokens.size} tokens); lower --config.block_size{more}")
     return tokens
 
 
 def get_batch(tokens: np.ndarray, seed: int, stream: int, step: int, n_seqs: int, block: int,
               rows: slice | np.ndarray = slice(None)) -> tuple[np.ndarray, np.ndarray]:
-    """Inputs and next-token targets, (n_seqs, block) int32 each, at offsets drawn from (seed, stream,
-    step) alone: a resumed run reads exactly the batches it would have read. `rows` picks this
-    process's share of the sequences (global_batch) without reading the others."""
-    starts = np.random.default_rng([seed, stream, step]).integers(0, tokens.size - block - 1, size=n_seqs)[rows]
+    """Inputs and next-token targets, (n_seqs, block) int32 each, at offsets drawn from (seed,
+    stream, step) alone: a resumed run reads exactly the batches it would have read. `rows` picks
+    this process's share of the sequences (global_batch) without reading the others."""
+    rng = np.random.default_rng([seed, stream, step])
+    starts = rng.integers(0, tokens.size - block - 1, size=n_seqs)[rows]
     buf = np.stack([tokens[s:s + block + 1] for s in starts]).astype(np.int32)
     return buf[:, :-1], buf[:, 1:]
 
 
-def global_batch(tokens: np.ndarray, seed: int, stream: int, step: int | range, sharding, shape: tuple) -> tuple:
-    """get_batch's sequences as two jax.Arrays of `shape` (..., B, T), B sharded by `sharding` and the
-    leading dims (microbatches) whole; for a range of steps, theirs stacked on a new leading axis. Each
-    process reads only the rows its devices hold, straight from the memmap (midGPT copies all of
-    train.bin into every host's RAM), and make_array_from_process_local_data joins the processes' shares."""
+def global_batch(tokens: np.ndarray, seed: int, stream: int, step: int, sharding,
+                 shape: tuple) -> tuple:
+    """get_batch's sequences as two jax.Arrays of `shape` (..., B, T): B sharded by `sharding`,
+    the leading (microbatch) dims whole. Each process reads only the rows its devices hold,
+    straight from the memmap (midGPT copies train.bin into every host's RAM);
+    make_array_from_process_local_data joins the shares."""
     import jax  # here, so that preparing data does not wait for jax to load
 
     *lead, B, T = shape
-    steps, shape = (step, (len(step), *shape)) if isinstance(step, range) else ([step], tuple(shape))
-    held = sharding.addressable_devices_indices_map(shape).values()
-    mine = np.unique(np.concatenate([np.arange(B)[index[-2]] for index in held]))  # this process's rows of B
+    held = sharding.addressable_devices_indices_map(tuple(shape)).values()
+    # This process's rows of B: those its devices hold.
+    mine = np.unique(np.concatenate([np.arange(B)[index[-2]] for index in held]))
     G = math.prod(lead)
     rows = (np.arange(G)[:, None] * B + mine).ravel()
-    x, y = zip(*(get_batch(tokens, seed, stream, s, G * B, T, rows=rows) for s in steps))
-    return tuple(jax.make_array_from_process_local_data(sharding, np.stack(a).reshape(*shape[:-2], len(mine), T), shape)
-                 for a in (x, y))
+    x, y = get_batch(tokens, seed, stream, step, G * B, T, rows=rows)
+    local = (a.reshape(*lead, len(mine), T) for a in (x, y))
+    return tuple(jax.make_array_from_process_local_data(sharding, a, tuple(shape)) for a in local)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("name", help="dataset name: the folder under data/ (shakespeare_char, openwebtext, ...)")
-    ap.add_argument("--source", help="HF dataset id, or local files: a file, a quoted glob, a folder (searched recursively)")
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", help="dataset name: the folder under data/ "
+                                 "(shakespeare_char, openwebtext, ...)")
+    ap.add_argument("--source", help="HF dataset id, or local files: a file, a quoted glob, "
+                                     "a folder (searched recursively)")
     ap.add_argument("--text_field", default="text", help="the text column of a HF or JSON dataset")
-    ap.add_argument("--val_fraction", type=float, help="the documents held out for val (default: 10%%, <= 1000, >= 0.0005)")
+    ap.add_argument("--val_fraction", type=float, help="the documents held out for val "
+                                                       "(default: 10%%, <= 1000, >= 0.0005)")
     args = ap.parse_args()
     out = ROOT / Config.data_root / args.name
     try:
         if args.name == "shakespeare_char" and (args.source or args.val_fraction is not None):
-            raise UsageError("shakespeare_char is the fixed tiny-shakespeare text (no --source, --val_fraction): "
-                             "for your own text, use another NAME")
+            raise UsageError("shakespeare_char is the fixed tiny-shakespeare text "
+                             "(no --source, --val_fraction): for your own text, use another NAME")
         elif args.name == "shakespeare_char":
             prepare_shakespeare_char(out)
         elif args.source or args.name in HF_SOURCES:
-            prepare_text(out, args.source or HF_SOURCES[args.name], args.text_field, args.val_fraction)
+            source = args.source or HF_SOURCES[args.name]
+            prepare_text(out, source, args.text_field, args.val_fraction)
         else:
-            raise UsageError(f"don't know where {args.name!r} comes from: pass --source=HF_ID or --source='files/*.txt'")
+            raise UsageError(f"don't know where {args.name!r} comes from: "
+                             "pass --source=HF_ID or --source='files/*.txt'")
     except UsageError as e:
         raise SystemExit(f"error: {e}")
 

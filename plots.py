@@ -1,10 +1,12 @@
-"""The figures of mup.py's results (matplotlib, written to files): docs/mup/ and docs/sp/ hold them."""
+"""The figures of mup.py's results (matplotlib, written to files): docs/mup/ and docs/sp/ hold
+them."""
 from pathlib import Path
 
 import numpy as np
 
 
-def coord(path: Path, axis: str, sizes: list[int], table: dict[str, np.ndarray], title: str) -> None:
+def coord(path: Path, axis: str, sizes: list[int], table: dict[str, np.ndarray],
+          title: str) -> None:
     """One panel per activation: mean |x| against size, log-log, a line per step."""
     import matplotlib
     matplotlib.use("Agg")
@@ -18,10 +20,13 @@ def coord(path: Path, axis: str, sizes: list[int], table: dict[str, np.ndarray],
         for t, color in enumerate(colors):
             if np.all(values[:, t] > 0):
                 ax.plot(sizes, values[:, t], "o-", color=color, ms=3, label=f"step {t}")
-        # y spans at least the sizes' ratio x 4 around the data, so a slope's angle reads the same everywhere
+        # y spans at least 4 times the sizes' ratio, centred on the data, so that a slope's angle
+        # reads the same in every panel
         positive = values[values > 0]
-        mid, span = np.sqrt(positive.min() * positive.max()), max(positive.max() / positive.min(), 4 * sizes[-1] / sizes[0])
-        ax.set(xscale="log", yscale="log", title=name, ylim=(mid / np.sqrt(span), mid * np.sqrt(span)))
+        mid = np.sqrt(positive.min() * positive.max())
+        span = max(positive.max() / positive.min(), 4 * sizes[-1] / sizes[0])
+        ylim = (mid / np.sqrt(span), mid * np.sqrt(span))
+        ax.set(xscale="log", yscale="log", title=name, ylim=ylim)
         ax.set_xticks(sizes, [str(s) for s in sizes], fontsize=7)
         ax.tick_params(axis="y", labelsize=7)
         ax.minorticks_off()
@@ -34,7 +39,8 @@ def coord(path: Path, axis: str, sizes: list[int], table: dict[str, np.ndarray],
     plt.close(fig)
 
 
-def transfer(path: Path, widths: list[int], lrs: list[float], loss: np.ndarray, title: str) -> None:
+def transfer(path: Path, widths: list[int], lrs: list[float], loss: np.ndarray,
+             title: str) -> None:
     """Final loss against log2 LR, a curve per width, each optimum marked."""
     import matplotlib
     matplotlib.use("Agg")
@@ -48,7 +54,8 @@ def transfer(path: Path, widths: list[int], lrs: list[float], loss: np.ndarray, 
         if np.isfinite(row).any():
             best = np.nanargmin(row)
             ax.plot(log_lr[best], row[best], "*", color=color, ms=14, markeredgecolor="k")
-    finite = loss[np.isfinite(loss)]  # diverged runs (nan) are left out; the y range is the optimum's region
+    # Diverged runs (nan) are left out; the y range is the region around the optimum.
+    finite = loss[np.isfinite(loss)]
     if finite.size:
         ax.set_ylim(finite.min() - 0.05, min(finite.max(), finite.min() + 0.6) + 0.05)
     ax.set_xticks(log_lr, [f"{lr:.2g}" for lr in lrs], fontsize=8)

@@ -10,7 +10,6 @@ generation goes on, so every new token sees between block_size // 2 and block_si
 Shapes as in model.py, plus S cache positions (block_size) and N new tokens per sample.
 """
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -27,7 +26,7 @@ from etils import epath
 
 import data
 from configs import Config, UsageError
-from model import GPT
+from model import GPT, init_gpt
 
 
 class Cache(NamedTuple):
@@ -193,22 +192,22 @@ def read_config(rundir: epath.Path) -> Config:
 
 
 def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GPT, int]:
-    """The model of the run's checkpoint of `step` (default: the latest), on one device: sampling needs
-    no mesh. checkpoint.py restores the optimizer state with it; it is dropped."""
-    import train  # with orbax, slow to load: bad arguments are reported before it
-    from checkpoint import checkpoint_manager, restore_checkpoint
+    """The model of the run's checkpoint of `step` (default: the latest), on one device: sampling
+    needs no mesh and no optimizer state. It runs model.py's functions, no fused kernels."""
+    import checkpoint  # with orbax, slow to load: bad arguments are reported before it
 
-    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax warns of each option a read-only manager overrides
-    mngr = checkpoint_manager(rundir, cfg, read_only=True)
+    # orbax warns of each option a read-only manager overrides
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    mngr = checkpoint.checkpoint_manager(rundir, cfg, read_only=True)
     steps = sorted(mngr.all_steps())
     if not steps:
         raise UsageError(f"{rundir} has no checkpoint yet (training writes one every ckpt_interval={cfg.ckpt_interval} "
                          f"steps and at the end)")
     if step is not None and step not in steps:
         raise UsageError(f"--step={step}: {rundir} has checkpoints of steps {', '.join(map(str, steps))} only")
-    s = train.setup(cfg, train.make_mesh(dataclasses.replace(cfg, mesh_replica=1), jax.devices()[:1]))
     step = steps[-1] if step is None else step
-    return restore_checkpoint(mngr, s.model, s.opt_state, step)[0], step
+    placeholders = init_gpt(cfg, jax.random.key(0))  # on the default device; replaced
+    return checkpoint.restore_model(mngr, placeholders, step), step
 
 
 def read_prompt(start: str) -> str:

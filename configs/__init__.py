@@ -30,7 +30,7 @@ class Config:
     n_layer: int = 12
     n_head: int = 12
     d_model: int = 768
-    mlp_ratio: int = 4
+    mlp_ratio: float = 4.0  # F = round(mlp_ratio * D): 4 for GELU, 8/3 keeps a gated MLP's size
     block_size: int = 1024
     tie_embeddings: bool = False
     norm_gain: bool = False  # learned RMSNorm gains; off by default: they break muP transfer (Lingle 2024)
@@ -41,8 +41,9 @@ class Config:
     # groups of sequences the readout and loss take one at a time (train.loss_fn): >1 keeps the float32
     # (B, T, V) logits from existing whole, for one more readout matmul forward
     loss_chunks: int = 1
-    # fused kernels on a GPU (cuDNN attention, kernels.py's QK-norm + RoPE and GELU): they hold their own
-    # copy of that math, so an edit to model.py's attend, layer_norm, rope or GELU needs kernels=False there
+    # fused kernels on a GPU (cuDNN attention, kernels.py's QK-norm + RoPE): each is checked against
+    # model.py's own function when a run starts and set aside, with a printed line, if they differ.
+    # false: model.py's functions alone, everywhere
     kernels: bool = True
 
     # parametrization: "mup" is the Maximal Update Parametrization (Tensor Programs V, Yang et al. 2022,
@@ -61,11 +62,6 @@ class Config:
     # optimisation: AdamW, linear warmup then cosine decay to min_lr at max_steps
     batch_size: int = 512  # sequences per step, global (over all devices and microbatches)
     grad_accum: int = 1  # microbatches per step, accumulated in one jitted lax.scan
-    # Train steps per jitted call, by lax.scan over their batches: the host then waits for the devices,
-    # logs, evaluates and saves only between calls, so max_steps and the log, eval and ckpt intervals
-    # must be multiples of it. It removes the host's gap between steps, which a CPU split into devices
-    # cannot hide (they must be waited on, train.make_train_step): shakespeare_char_cpu 35 -> 32 ms a step with 5.
-    steps_per_call: int = 1
     max_steps: int = 20000
     learning_rate: float = 6e-4
     min_lr: float = 6e-5
@@ -87,10 +83,6 @@ class Config:
     # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes; replicas run
     # across hosts (or TPU slices) first, fsdp within them (train.make_mesh)
     mesh_replica: int = 1  # devices on the replica axis; the rest go to fsdp
-    # XLA:CPU runs one op at a time per device, by and large on one core. On a CPU, launch.py and bench.py
-    # split it into this many devices (split_cpu), to train data-parallel with mesh_replica = cpu_devices
-    # (shakespeare_char_cpu on 2 cores: 53 ms a step as one device, 32 as two; BENCHMARKS.md). GPUs and TPUs ignore it.
-    cpu_devices: int = 1
 
     # checkpoints in RUNDIR/checkpoints (orbax); launching again with the same --rundir resumes
     ckpt_interval: int = 1000  # steps between checkpoints; one is also written at the end and on SIGTERM/SIGINT
@@ -119,7 +111,7 @@ class Config:
 
     @property
     def mlp_width(self) -> int:
-        return self.mlp_ratio * self.d_model
+        return round(self.mlp_ratio * self.d_model)
 
     @property
     def model_vocab(self) -> int:
@@ -144,20 +136,13 @@ class Config:
     def microbatch_size(self) -> int:
         return self.batch_size // self.grad_accum
 
-    def split_cpu(self) -> None:
-        """Make the CPU cpu_devices JAX devices; before anything starts JAX's backends. 1 keeps JAX's
-        default (or XLA_FLAGS')."""
-        if self.cpu_devices > 1:
-            import jax  # here: configs loads without JAX
-
-            jax.config.update("jax_num_cpu_devices", self.cpu_devices)
-
     def check(self, n_devices: int) -> None:
         """Raise UsageError for a config that cannot run on n_devices, naming the field."""
-        for name in ("n_layer", "n_head", "d_model", "mlp_ratio", "block_size", "batch_size", "grad_accum", "max_steps",
-                     "eval_interval", "eval_batches", "log_interval", "vocab_size", "vocab_multiple", "scan_unroll",
-                     "ckpt_interval", "ckpt_keep", "max_nonfinite", "d_base", "depth_base", "loss_chunks", "cpu_devices",
-                     "mesh_replica", "steps_per_call"):  # first: the checks below divide by some of them
+        positive = ("n_layer", "n_head", "d_model", "block_size", "batch_size", "grad_accum",
+                    "max_steps", "eval_interval", "eval_batches", "log_interval", "vocab_size",
+                    "vocab_multiple", "scan_unroll", "ckpt_interval", "ckpt_keep", "max_nonfinite",
+                    "d_base", "depth_base", "loss_chunks", "mesh_replica")
+        for name in positive:  # first: the checks below divide by some of them
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
         fsdp = max(n_devices // self.mesh_replica, 1)  # mesh_replica > n_devices is reported below
@@ -181,17 +166,15 @@ class Config:
             (not 0 <= self.grad_clip < 3e38, f"grad_clip={self.grad_clip} must be finite and >= 0 (0: no clipping)"),
             # finite as a Python float: 1e39 (inf in float32) is how a test makes every loss non-finite
             *((not 0 < getattr(self, f) < math.inf, f"{f}={getattr(self, f)} must be > 0 and finite")
-              for f in ("rope_base", "alpha_in", "alpha_out", "attn_tau")),
+              for f in ("rope_base", "alpha_in", "alpha_out", "attn_tau", "mlp_ratio")),
+            (0 < self.mlp_ratio < math.inf and self.mlp_width < 1,
+             f"mlp_ratio={self.mlp_ratio} x d_model={self.d_model} rounds to an MLP width of 0"),
             (self.seed < 0, f"seed={self.seed} must be >= 0"),
             (not self.dataset, f"dataset is empty: name a folder of {self.data_root}/ (`python data.py NAME` makes one)"),
         ]
         for bad, message in problems:
             if bad:
                 raise UsageError(message)
-        for name in ("max_steps", "log_interval", "eval_interval", "ckpt_interval"):
-            if getattr(self, name) % self.steps_per_call:
-                raise UsageError(f"{name}={getattr(self, name)} is not a multiple of steps_per_call={self.steps_per_call}: "
-                                 "the host stops only between calls (--config.steps_per_call=1 fits any)")
 
 
 # The fields a resumed run may change (launch.py compares every other one with the run's config.json):
@@ -199,8 +182,8 @@ class Config:
 # same step is laid out and computed (a run resumed on fewer devices may need more microbatches to fit;
 # grad_accum also sizes evaluation's batches). Anything else would make the checkpoint another run's.
 RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "ckpt_keep",
-             "max_nonfinite", "mesh_replica", "cpu_devices", "remat", "scan_unroll", "steps_per_call", "grad_accum",
-             "loss_chunks", "data_root")
+             "max_nonfinite", "mesh_replica", "remat", "scan_unroll", "grad_accum", "loss_chunks",
+             "data_root", "kernels")
 
 
 def available() -> list[str]:

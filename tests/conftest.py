@@ -20,11 +20,9 @@ import configs  # noqa: E402
 # launch.py arguments for a tiny model on shakespeare_char, shared by the end-to-end runs. learning_rate
 # = min_lr keeps the schedule flat after warmup, so runs that differ only in max_steps take the same steps.
 # One CPU device unless a test says otherwise (XLA_FLAGS): they compare with one-device runs in-process.
-# One step a call, so that any step can be a log, evaluation or checkpoint step.
-TINY_RUN = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
-            "--config.block_size=16", "--config.batch_size=8", "--config.warmup_steps=4",
-            "--config.learning_rate=2e-3", "--config.min_lr=2e-3", "--config.cpu_devices=1", "--config.mesh_replica=1",
-            "--config.steps_per_call=1"]
+TINY_RUN = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32",
+            "--config.n_head=2", "--config.block_size=16", "--config.batch_size=8",
+            "--config.warmup_steps=4", "--config.learning_rate=2e-3", "--config.min_lr=2e-3"]
 
 
 def tiny(**overrides) -> configs.Config:

@@ -1,6 +1,7 @@
 """Run by test_train.py in a subprocess with N simulated devices: one train step of a tiny model,
 saving the loss, the gradients and the updated parameters to an .npz, and asserting that every
-FSDP-sharded parameter is split N ways."""
+FSDP-sharded parameter is split N ways. A 4th argument "kernels": every fast path of kernels.py
+applies (Pallas in its interpreter, attention by jax's XLA version), as on a GPU."""
 import sys
 
 import jax
@@ -17,6 +18,12 @@ from model import Policy, policy_table  # noqa: E402
 
 n, out = int(sys.argv[1]), sys.argv[2]
 cfg = tiny(d_model=64, n_head=4, batch_size=16, mesh_replica=int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+if sys.argv[4:] == ["kernels"]:
+    import dataclasses
+    import kernels
+    kernels.ROWS = 8
+    kernels.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in kernels.FAST_PATHS]
+    assert set(kernels.select(cfg)) == {"attend", "qk_norm_rope"}
 assert jax.device_count() == n
 mesh = train.make_mesh(cfg)
 s = train.setup(cfg, mesh)
@@ -24,7 +31,7 @@ rng = np.random.default_rng(0)
 x = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 y = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 batch = jax.device_put((x, y), NamedSharding(mesh, train.BATCH_SPEC))
-grads = eqx.filter_jit(eqx.filter_grad(train.loss_fn))(s.model, batch[0][0], batch[1][0])
+grads = eqx.filter_jit(eqx.filter_grad(train.loss_fn))(s.model, batch[0][0], batch[1][0], cfg)
 fsdp = mesh.shape["fsdp"]
 table = jax.tree.leaves(policy_table(s.model, cfg), is_leaf=lambda p: isinstance(p, Policy))
 for param, policy in zip(jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), table):

@@ -10,7 +10,7 @@ TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model
         "--config.block_size=16", "--config.batch_size=4"]
 FIELDS = {"name", "device_kind", "device_count", "jax_version", "tokens_per_s", "step_ms", "flops_per_token",
           "flops_formula", "mfu", "compile_s", "peak_memory_bytes", "compute_dtype", "remat", "scan_unroll",
-          "steps_per_call", "matmul_peak_flops", "fraction_of_matmul_peak"}
+          "kernels", "matmul_peak_flops", "fraction_of_matmul_peak"}
 
 
 def test_bench_prints_one_json_line_with_every_field():
@@ -20,7 +20,8 @@ def test_bench_prints_one_json_line_with_every_field():
     assert len(lines) == 1
     out = json.loads(lines[0])
     assert FIELDS <= out.keys()
-    assert out["device_kind"] == "cpu" and out["mfu"] is None  # no datasheet peak on a CPU: no made-up MFU
+    assert out["device_kind"] == "cpu" and out["mfu"] is None  # no datasheet peak: no made-up MFU
+    assert out["kernels"] == []  # fused kernels run on a GPU only
     assert out["tokens_per_s"] == pytest.approx(4 * 16 / (out["step_ms"] / 1e3), rel=0.01)
     L, D, T, V = 2, 32, 16, 128
     assert out["flops_per_token"] == 6 * (L * 12 * D * D + D * V) + 12 * L * D * T
@@ -51,8 +52,8 @@ def test_bench_trace_prints_the_costliest_ops(tmp_path, devices):
     """--trace writes a profile (tensorboard's xplane, perfetto's json) and prints to stderr the XLA ops that took
     the most time, largest first; stdout stays one JSON line. Two devices training data-parallel sum their
     gradients in an all-reduce, which must be among the ops; one device has none."""
-    r = run(["bench.py", "--steps=5", *TINY, f"--config.cpu_devices={devices}", f"--config.mesh_replica={devices}",
-             f"--trace={tmp_path}"])
+    r = run(["bench.py", "--steps=5", *TINY, f"--config.mesh_replica={devices}", f"--trace={tmp_path}"],
+            {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip().splitlines()) == 1 and json.loads(r.stdout)["device_count"] == devices
     ops = [(float(ms), name) for ms, name in re.findall(r"^ +(\d+\.\d+)  (\S+)$", r.stderr, re.M)]

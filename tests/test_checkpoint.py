@@ -1,4 +1,4 @@
-"""Checkpoints, resume, preemption and faults, with real orbax, real subprocesses and real signals."""
+"""Checkpoints, resume, preemption and faults: real orbax, real subprocesses, real signals."""
 import dataclasses
 import importlib.util
 import json
@@ -19,28 +19,30 @@ from etils import epath
 
 import configs
 import train
-from checkpoint import Logger, checkpoint_manager, restore_checkpoint, save_checkpoint
+from checkpoint import checkpoint_manager, restore_checkpoint, restore_model, save_checkpoint
 from configs import UsageError
 from conftest import ROOT, TINY_RUN, tiny
+from metrics import Logger
 from model import init_gpt
 
-TINY = [*TINY_RUN, "--config.eval_batches=2", "--config.log_interval=4", "--config.eval_interval=8",
-        "--config.ckpt_interval=8"]
+TINY = [*TINY_RUN, "--config.eval_batches=2", "--config.log_interval=4",
+        "--config.eval_interval=8", "--config.ckpt_interval=8"]
 STEPS = 16
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> dict:
-    """The subprocesses' environment, with JAX's persistent compilation cache shared between them: the
-    tiny model then compiles once, not in each process (seconds each on a busy CPU)."""
+    """The subprocesses' environment, with JAX's persistent compilation cache shared between them:
+    the tiny model then compiles once, not in each process (seconds each on a busy CPU)."""
     return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
             "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def start(args: list[str], env: dict, prefix: tuple = ()) -> subprocess.Popen:
-    return subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def run(args: list[str], env: dict, prefix: tuple = ()) -> subprocess.CompletedProcess:
@@ -60,7 +62,8 @@ def launch_args(rundir, *overrides: str) -> list[str]:
 def records(rundir) -> list[dict]:
     """metrics.jsonl without the wall-clock fields."""
     lines = (rundir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s", "mfu")} for line in lines]
+    wall_clock = ("tokens_per_s", "mfu")
+    return [{k: v for k, v in json.loads(line).items() if k not in wall_clock} for line in lines]
 
 
 def final_state(rundir, cfg: configs.Config) -> list[np.ndarray]:
@@ -73,16 +76,20 @@ def final_state(rundir, cfg: configs.Config) -> list[np.ndarray]:
 
 def committed_steps(rundir) -> list[int]:
     ckpts = rundir / "checkpoints"
-    return sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit()) if ckpts.exists() else []
+    if not ckpts.exists():
+        return []
+    return sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
 
 
 def save_in_flight(rundir) -> bool:
     """Orbax writes a step as STEP.orbax-checkpoint-tmp and renames it when complete."""
-    return (rundir / "checkpoints").exists() and any("tmp" in p.name for p in (rundir / "checkpoints").iterdir())
+    ckpts = rundir / "checkpoints"
+    return ckpts.exists() and any("tmp" in p.name for p in ckpts.iterdir())
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, message: str) -> None:
-    """A non-zero exit, no traceback, and the message as the last line of stderr (a progress bar may precede it)."""
+    """A non-zero exit, no traceback, and the message as the last line of stderr (a progress bar
+    may precede it)."""
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and message in last, r.stderr
@@ -100,51 +107,34 @@ def straight(shakespeare, tmp_path_factory, env):
 
 
 def test_stop_and_resume_equals_straight_run(straight, tmp_path, env):
-    """STEPS/2 steps, then the same command with max_steps=STEPS: the same per-step losses and evals in
-    metrics.jsonl, and bitwise the same final parameters and optimizer state."""
+    """STEPS/2 steps, then the same command with max_steps=STEPS: the same per-step losses and
+    evals in metrics.jsonl, and bitwise the same final parameters and optimizer state."""
     rundir = tmp_path / "run"
     r = run(launch_args(rundir, f"--config.max_steps={STEPS // 2}"), env)
     assert r.returncode == 0, r.stderr
     r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
     assert r.returncode == 0, r.stderr
     assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
-    assert f"resuming with max_steps={STEPS} (was {STEPS // 2})" in r.stdout  # the one field that changed
+    # the one field that changed
+    assert f"resuming with max_steps={STEPS} (was {STEPS // 2})" in r.stdout
     assert records(rundir) == straight[0]
-    for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
+    final = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+    for a, b in zip(final, straight[1], strict=True):
         np.testing.assert_array_equal(a, b)
     run_info = json.loads((rundir / "run.json").read_text())
     assert f"--config.max_steps={STEPS // 2}" in run_info["argv"] and len(run_info["resumed"]) == 1
 
 
-def test_steps_per_call_changes_nothing_but_speed(straight, tmp_path, env):
-    """Half the run at 2 steps a call, the rest at 4: the straight run's metrics (one step a call) and final
-    state, up to float rounding. A checkpoint step that is not a multiple of steps_per_call is refused in one line."""
-    rundir = tmp_path / "run"
-    r = run(launch_args(rundir, f"--config.max_steps={STEPS // 2}", "--config.steps_per_call=2"), env)
-    assert r.returncode == 0, r.stderr
-    threes = [f"--config.{name}=3" for name in ("steps_per_call", "log_interval", "eval_interval", "ckpt_interval")]
-    before = {name: (rundir / name).read_text() for name in ("config.json", "run.json")}
-    r = run(launch_args(rundir, "--config.max_steps=15", *threes), env)
-    assert_one_line_error(r, f"the checkpoint is at step {STEPS // 2}, not a multiple of steps_per_call=3")
-    assert {name: (rundir / name).read_text() for name in before} == before  # refused before writing anything
-    r = run(launch_args(rundir, f"--config.max_steps={STEPS}", "--config.steps_per_call=4"), env)
-    assert r.returncode == 0, r.stderr
-    got = records(rundir)
-    assert [g["step"] for g in got] == [s["step"] for s in straight[0]]
-    for g, s in zip(got, straight[0]):
-        assert g == pytest.approx(s, rel=1e-5), g["step"]
-    for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
 def test_resume_in_more_microbatches_trains_as_the_straight_run(straight, tmp_path, env):
-    """Half the run in one microbatch, the rest in two with the loss in two chunks (a resume after running
-    out of memory, or on fewer devices): the straight run's training losses and final state, up to float
-    rounding. The evaluation after the change reads microbatches of half the size, a smaller sample."""
+    """Half the run in one microbatch, the rest in two with the loss in two chunks (a resume after
+    running out of memory, or on fewer devices): the straight run's training losses and final
+    state, up to float rounding. The evaluation after the change reads microbatches of half the
+    size, a smaller sample."""
     rundir = tmp_path / "run"
     r = run(launch_args(rundir, f"--config.max_steps={STEPS // 2}"), env)
     assert r.returncode == 0, r.stderr
-    r = run(launch_args(rundir, f"--config.max_steps={STEPS}", "--config.grad_accum=2", "--config.loss_chunks=2"), env)
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}", "--config.grad_accum=2",
+                        "--config.loss_chunks=2"), env)
     assert r.returncode == 0, r.stderr
     assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
     got = records(rundir)
@@ -154,15 +144,16 @@ def test_resume_in_more_microbatches_trains_as_the_straight_run(straight, tmp_pa
             assert np.isfinite(g["val_loss"]) and g["lr"] == pytest.approx(s["lr"])
         else:
             assert g == pytest.approx(s, rel=1e-5), g["step"]
-    for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
+    final = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+    for a, b in zip(final, straight[1], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_sigkill_at_random_moments_then_resume_equals_straight_run(straight, tmp_path, env):
-    """A checkpoint every step, and SIGKILL at 5 random moments: each once the run has reached a random
-    step, then either as soon as a save is in flight (orbax's temporary directory exists) or after a
-    random delay. The same command each time, then once more to the end: metrics.jsonl and the final
-    state are the straight run's."""
+    """A checkpoint every step, and SIGKILL at 5 random moments: each once the run has reached a
+    random step, then either as soon as a save is in flight (orbax's temporary directory exists) or
+    after a random delay. The same command each time, then once more to the end: metrics.jsonl and
+    the final state are the straight run's."""
     rundir, rng = tmp_path / "run", random.Random(0)
     command = launch_args(rundir, f"--config.max_steps={STEPS}", "--config.ckpt_interval=1")
     kills, during_save, resumed_from = 0, 0, []
@@ -178,16 +169,19 @@ def test_sigkill_at_random_moments_then_resume_equals_straight_run(straight, tmp
         out = proc.communicate(timeout=600)[0]
         during_save += proc.returncode == -signal.SIGKILL and save_in_flight(rundir)
         if "resuming from the checkpoint of step" in out:
-            resumed_from.append(int(out.split("resuming from the checkpoint of step ")[1].split()[0]))
-    print(f"{kills} SIGKILLs, {during_save} of them during a save; resumed from steps {resumed_from}")
+            after = out.split("resuming from the checkpoint of step ")[1]
+            resumed_from.append(int(after.split()[0]))
+    print(f"{kills} SIGKILLs, {during_save} of them during a save; "
+          f"resumed from steps {resumed_from}")
     assert proc.returncode == 0 and kills == 5 and during_save >= 1 and len(resumed_from) == 5
     assert records(rundir) == straight[0]
-    assert tensorboard_losses(rundir) == [(r["step"], pytest.approx(r["loss"])) for r in straight[0] if "loss" in r]
+    losses = [(r["step"], pytest.approx(r["loss"])) for r in straight[0] if "loss" in r]
+    assert tensorboard_losses(rundir) == losses
 
 
 def tensorboard_losses(rundir) -> list[tuple[int, float]]:
-    """(step, loss) as tensorboard's server reads the run: its plugin accumulator, which drops the events that a
-    START session log says came after the checkpoint a launch resumed from."""
+    """(step, loss) as tensorboard's server reads the run: its plugin accumulator, which drops the
+    events that a START session log says came after the checkpoint a launch resumed from."""
     from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(rundir))
@@ -196,15 +190,17 @@ def tensorboard_losses(rundir) -> list[tuple[int, float]]:
 
 
 def test_a_second_launch_in_a_live_run_directory_is_refused(shakespeare, tmp_path, env):
-    """The same command twice at once: the second stops with one line and writes nothing; once the first is
-    SIGKILLed (no cleanup), the directory is free again."""
+    """The same command twice at once: the second stops with one line and writes nothing; once the
+    first is SIGKILLed (no cleanup), the directory is free again."""
     rundir, long = tmp_path / "run", "--config.max_steps=1000000"
     first = start(launch_args(rundir, long), env)
     try:
-        while not (rundir / "metrics.jsonl").exists() and first.poll() is None:  # the Logger: after the lock
+        # metrics.jsonl: the Logger's, written after the lock is taken
+        while not (rundir / "metrics.jsonl").exists() and first.poll() is None:
             time.sleep(0.05)
         before = {name: (rundir / name).read_text() for name in ("config.json", "run.json")}
-        second = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)  # without the lock: trains, exits 0
+        # (without the lock it would train and exit 0)
+        second = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
         assert_one_line_error(second, f"{rundir} is in use: another launch.py")
         assert {name: (rundir / name).read_text() for name in before} == before
     finally:
@@ -215,21 +211,26 @@ def test_a_second_launch_in_a_live_run_directory_is_refused(shakespeare, tmp_pat
 
 
 def test_tensorboard_drops_what_was_logged_after_the_checkpoint(straight, tmp_path, env):
-    """A run's last checkpoint lost (removed here, as a kill before orbax commits it loses it): the same command
-    resumes from the one before, and tensorboard shows each step once, with the straight run's values."""
+    """A run's last checkpoint lost (removed here, as a kill before orbax commits it loses it): the
+    same command resumes from the one before, and tensorboard shows each step once, with the
+    straight run's values."""
     rundir = tmp_path / "run"
     assert run(launch_args(rundir, f"--config.max_steps={STEPS}"), env).returncode == 0
     shutil.rmtree(rundir / "checkpoints" / str(STEPS))
     r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
-    assert r.returncode == 0 and f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout, r.stderr
-    assert tensorboard_losses(rundir) == [(r["step"], pytest.approx(r["loss"])) for r in straight[0] if "loss" in r]
-    for a, b in zip(final_state(rundir, tiny_config(f"--config.max_steps={STEPS}")), straight[1], strict=True):
+    assert r.returncode == 0, r.stderr
+    assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
+    losses = [(r["step"], pytest.approx(r["loss"])) for r in straight[0] if "loss" in r]
+    assert tensorboard_losses(rundir) == losses
+    final = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+    for a, b in zip(final, straight[1], strict=True):
         np.testing.assert_array_equal(a, b)
 
 
 def test_metrics_jsonl_appends_and_a_resume_drops_a_torn_line_and_later_steps(tmp_path):
-    """Locally each log appends (the file is never replaced: same inode); a resume at step 20 keeps the
-    lines up to 20 and drops both the later one and a last line a kill cut short (no newline)."""
+    """Locally each log appends (the file is never replaced: same inode); a resume at step 20 keeps
+    the lines up to 20 and drops both the later one and a last line a kill cut short (no
+    newline)."""
     path = tmp_path / "metrics.jsonl"
     logger = Logger(epath.Path(tmp_path), 0)
     inode = path.stat().st_ino
@@ -247,11 +248,13 @@ def test_metrics_jsonl_appends_and_a_resume_drops_a_torn_line_and_later_steps(tm
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_the_current_step_and_exits_0(shakespeare, tmp_path, env, signum):
-    """(With tied embeddings: their eqx.nn.Shared holds a non-array leaf that saving must leave out.)"""
+    """(With tied embeddings: their eqx.nn.Shared holds a non-array leaf that saving must leave
+    out.)"""
     rundir = tmp_path / "run"
-    proc = start(launch_args(rundir, "--config.max_steps=100000", "--config.ckpt_interval=100000", "--config.log_interval=1",
-                             "--config.tie_embeddings=true"), env)
-    while proc.poll() is None and not ((rundir / "metrics.jsonl").exists() and len(records(rundir)) >= 4):
+    proc = start(launch_args(rundir, "--config.max_steps=100000", "--config.ckpt_interval=100000",
+                             "--config.log_interval=1", "--config.tie_embeddings=true"), env)
+    logged = lambda: (rundir / "metrics.jsonl").exists() and len(records(rundir)) >= 4
+    while proc.poll() is None and not logged():
         time.sleep(0.05)
     proc.send_signal(signum)
     t = time.monotonic()
@@ -259,18 +262,21 @@ def test_signal_saves_the_current_step_and_exits_0(shakespeare, tmp_path, env, s
     print(f"{signal.Signals(signum).name}: exited {time.monotonic() - t:.2f} s after the signal")
     assert proc.returncode == 0, err
     last = max(r["step"] for r in records(rundir))  # log_interval=1: every step finished is logged
-    assert committed_steps(rundir) == [last] and f"{signal.Signals(signum).name} at step {last}" in out
+    assert committed_steps(rundir) == [last]
+    assert f"{signal.Signals(signum).name} at step {last}" in out
 
 
 def test_checkpoint_restores_onto_another_mesh(tmp_path, env):
-    """Saved on 8 simulated devices, restored on 2, trained and saved there, restored on 8: each restore
-    holds exactly the saved arrays, sharded over the new mesh as fresh arrays are, and trains on without
-    a retrace (the probe asserts all of it). Without the persistent compilation cache: an 8-device step
-    loaded from it (XLA:CPU, jax 0.10.2) ran its independent collectives in different orders on different
-    devices and hung in 3 of 4 tries here; compiled afresh it never did."""
+    """Saved on 8 simulated devices, restored on 2, trained and saved there, restored on 8: each
+    restore holds exactly the saved arrays, sharded over the new mesh as fresh arrays are, and
+    trains on without a retrace (the probe asserts all of it). Without the persistent compilation
+    cache: an 8-device step loaded from it (XLA:CPU, jax 0.10.2) ran its independent collectives in
+    different orders on different devices and hung in 3 of 4 tries here; compiled afresh it never
+    did."""
     env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     for devices in (8, 2, 8):
-        r = run([str(ROOT / "tests/ckpt_probe.py"), str(devices), str(tmp_path / "run"), str(tmp_path / "saved.npz")], env)
+        probe = [str(ROOT / "tests/ckpt_probe.py"), str(devices)]
+        r = run([*probe, str(tmp_path / "run"), str(tmp_path / "saved.npz")], env)
         assert r.returncode == 0, r.stderr
     assert committed_steps(tmp_path / "run") == [2, 4, 6]
 
@@ -281,55 +287,66 @@ def test_nonfinite_step_is_skipped_and_leaves_the_state_as_it_was():
     rng = np.random.default_rng(0)
     x = rng.integers(0, cfg.vocab_size, (1, 8, cfg.block_size)).astype(np.int32)
     y = np.roll(x, -1, axis=2)
-    model = eqx.tree_at(lambda m: m.blocks.mlp.up, s.model, s.model.blocks.mlp.up.at[0, 0, 0].set(jnp.inf))
+    up = s.model.blocks.mlp.up.at[0, 0, 0].set(jnp.inf)
+    model = eqx.tree_at(lambda m: m.blocks.mlp.up, s.model, up)
     before = [np.asarray(a) for a in jax.tree.leaves((model, s.opt_state))]
-    model, opt_state, metrics = s.step(model, s.opt_state, x, y)  # donates its inputs: compare with copies
+    # (the step donates its inputs: compared with copies)
+    model, opt_state, metrics = s.step(model, s.opt_state, x, y)
     assert int(metrics["skipped"]) == 1 and not np.isfinite(float(metrics["loss"]))
     for a, b in zip(jax.tree.leaves((model, opt_state)), before, strict=True):
         np.testing.assert_array_equal(np.asarray(a), b)
     model = eqx.tree_at(lambda m: m.blocks.mlp.up, model, model.blocks.mlp.up.at[0, 0, 0].set(0.0))
     model, opt_state, metrics = s.step(model, opt_state, x, y)
-    assert int(metrics["skipped"]) == 0 and int(opt_state[1].count) == 1  # applied: Adam's count moved
+    assert int(metrics["skipped"]) == 0
+    assert int(opt_state[1].count) == 1  # applied: Adam's count moved
 
 
-def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shakespeare, tmp_path, env):
+def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shakespeare, tmp_path,
+                                                                            env):
     """alpha_out=1e39 is inf in float32: every loss is non-finite, so every step is skipped. After
-    max_nonfinite=3 the run stops with one line; the checkpoint of step 2 holds the untouched initial
-    parameters (drawn again here) and zero Adam moments."""
+    max_nonfinite=3 the run stops with one line; the checkpoint of step 2 holds the untouched
+    initial parameters (drawn again here) and zero Adam moments."""
     rundir = tmp_path / "run"
     overrides = ["--config.alpha_out=1e39", "--config.max_nonfinite=3", "--config.log_interval=1",
                  "--config.ckpt_interval=2", "--config.max_steps=50"]
     r = run(launch_args(rundir, *overrides), env)
     assert_one_line_error(r, "3 steps in a row up to step 3 had a non-finite loss or gradient")
     steps = [rec for rec in records(rundir) if "skipped" in rec]
-    assert [(rec["step"], rec["skipped"], rec["loss"]) for rec in steps] == [(1, 1, None), (2, 2, None), (3, 3, None)]
+    got = [(rec["step"], rec["skipped"], rec["loss"]) for rec in steps]
+    assert got == [(1, 1, None), (2, 2, None), (3, 3, None)]
     assert committed_steps(rundir) == [2]
     cfg = tiny_config(*overrides)
     state = final_state(rundir, cfg)
     assert all(np.isfinite(a).all() for a in state)
-    init = [np.asarray(a) for a in jax.tree.leaves(eqx.filter(init_gpt(cfg, jax.random.key(cfg.seed)), eqx.is_array))]
+    initial = eqx.filter(init_gpt(cfg, jax.random.key(cfg.seed)), eqx.is_array)
+    init = [np.asarray(a) for a in jax.tree.leaves(initial)]
     for a, b in zip(state[:len(init)], init, strict=True):
         np.testing.assert_array_equal(a, b)
     assert all((a == 0).all() for a in state[len(init):])  # Adam moments and counts
 
 
 def test_debug_profiles_a_few_steps_then_stops_without_saving(shakespeare, tmp_path, env):
-    """--debug: a jax.profiler trace of steps 6-8 in RUNDIR/profile, then the launch ends (it trained on to max_steps
-    before, with nothing saved: a day's run lost to a flag meant for a quick look)."""
+    """--debug: a jax.profiler trace of steps 6-8 in RUNDIR/profile, then the launch ends (it
+    trained on to max_steps before, with nothing saved: a day's run lost to a flag meant for a
+    quick look)."""
     rundir = tmp_path / "run"
-    r = run(launch_args(rundir, "--debug", "--config.max_steps=100000", "--config.log_interval=1"), env)
-    assert r.returncode == 0 and f"--debug: the profile of the steps to 8 is in {rundir / 'profile'}" in r.stdout, r.stderr
+    args = launch_args(rundir, "--debug", "--config.max_steps=100000", "--config.log_interval=1")
+    r = run(args, env)
+    assert r.returncode == 0, r.stderr
+    assert f"--debug: the profile of the steps to 8 is in {rundir / 'profile'}" in r.stdout
     assert max(rec["step"] for rec in records(rundir)) == 8 and committed_steps(rundir) == []
     assert list((rundir / "profile").rglob("*.xplane.pb"))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tmp_path, env, signum):
-    """Ctrl-C or SIGTERM right after the run directory is written: during restore, compilation and the step-0
-    evaluation, before the loop's own handler. One line (SIGTERM killed silently), no traceback; the same command
-    then trains."""
+def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tmp_path, env,
+                                                                 signum):
+    """Ctrl-C or SIGTERM right after the run directory is written: during restore, compilation and
+    the step-0 evaluation, before the loop's own handler. One line (SIGTERM killed silently), no
+    traceback; the same command then trains."""
     rundir = tmp_path / "run"
-    proc = start(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), {**env, "PYTHONUNBUFFERED": "1"})
+    unbuffered = {**env, "PYTHONUNBUFFERED": "1"}
+    proc = start(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), unbuffered)
     for line in proc.stdout:
         if line.startswith("run directory"):
             break
@@ -341,41 +358,52 @@ def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tm
 
 
 def test_the_run_keeps_its_dataset_record(shakespeare, tmp_path, env):
-    """launch.py copies the dataset's meta.json into the run directory (dataset.json); a resume on the dataset
-    prepared again with another vocabulary (here every letter's case swapped: the same size, other text) is
-    refused and writes nothing."""
+    """launch.py copies the dataset's meta.json into the run directory (dataset.json); a resume on
+    the dataset prepared again with another vocabulary (here every letter's case swapped: the same
+    size, other text) is refused and writes nothing."""
     data_root = tmp_path / "data"
-    shutil.copytree(shakespeare, data_root / "shakespeare_char", ignore=shutil.ignore_patterns("input.txt"))
+    shutil.copytree(shakespeare, data_root / "shakespeare_char",
+                    ignore=shutil.ignore_patterns("input.txt"))
     rundir, meta_path = tmp_path / "run", data_root / "shakespeare_char" / "meta.json"
-    assert run(launch_args(rundir, "--config.max_steps=4", f"--config.data_root={data_root}"), env).returncode == 0
+    args = launch_args(rundir, "--config.max_steps=4", f"--config.data_root={data_root}")
+    assert run(args, env).returncode == 0
     meta = json.loads(meta_path.read_text())
     assert json.loads((rundir / "dataset.json").read_text()) == meta
     meta["tokenizer"]["chars"] = meta["tokenizer"]["chars"].swapcase()
     meta_path.write_text(json.dumps(meta))
-    before = {name: (rundir / name).read_text() for name in ("config.json", "run.json", "dataset.json")}
+    names = ("config.json", "run.json", "dataset.json")
+    before = {name: (rundir / name).read_text() for name in names}
     r = run(launch_args(rundir, "--config.max_steps=8", f"--config.data_root={data_root}"), env)
-    assert_one_line_error(r, f"{data_root / 'shakespeare_char'} is not the dataset {rundir} trained on (tokenizer ")
-    assert {name: (rundir / name).read_text() for name in before} == before and committed_steps(rundir) == [4]
-    # before its first checkpoint a run directory takes the dataset as it is now (a launch that failed early)
+    where = data_root / "shakespeare_char"
+    assert_one_line_error(r, f"{where} is not the dataset {rundir} trained on (tokenizer ")
+    assert {name: (rundir / name).read_text() for name in before} == before
+    assert committed_steps(rundir) == [4]
+    # before its first checkpoint a run directory takes the dataset as it is now (a launch that
+    # failed early)
     shutil.rmtree(rundir / "checkpoints")
-    assert run(launch_args(rundir, "--config.max_steps=4", f"--config.data_root={data_root}"), env).returncode == 0
+    args = launch_args(rundir, "--config.max_steps=4", f"--config.data_root={data_root}")
+    assert run(args, env).returncode == 0
     assert json.loads((rundir / "dataset.json").read_text()) == meta
 
 
-def test_resume_with_another_model_shape_is_one_line_and_writes_nothing(shakespeare, tmp_path, env):
+def test_resume_with_another_model_shape_is_one_line_and_writes_nothing(shakespeare, tmp_path,
+                                                                       env):
     rundir = tmp_path / "run"
     rundir.mkdir()
     saved = json.dumps(dataclasses.asdict(tiny_config()), indent=1)
     (rundir / "config.json").write_text(saved)
     r = run(launch_args(rundir, "--config.n_layer=3"), env)
-    assert_one_line_error(r, f"{rundir} holds a run with n_layer=2, this launch has n_layer=3: resuming may change only max_steps")
+    assert_one_line_error(r, f"{rundir} holds a run with n_layer=2, this launch has n_layer=3: "
+                             f"resuming may change only max_steps")
     assert len(r.stderr.strip().splitlines()) == 1
-    assert (rundir / "config.json").read_text() == saved and sorted(p.name for p in rundir.iterdir()) == ["config.json"]
+    assert (rundir / "config.json").read_text() == saved
+    assert sorted(p.name for p in rundir.iterdir()) == ["config.json"]
 
 
 def test_a_checkpoint_of_another_model_is_one_line_naming_the_arrays(tmp_path):
-    """As after an edit to model.py: a checkpoint restored into a model with other arrays (here RMSNorm gains
-    added, the MLP twice as wide) is refused before anything is freed, naming what differs."""
+    """As after an edit to model.py: a checkpoint restored into a model with other arrays (here
+    RMSNorm gains added, the MLP twice as wide) is refused before anything is freed, naming what
+    differs."""
     cfg, edited = tiny(), tiny(norm_gain=True, mlp_ratio=8)
     s = train.setup(cfg, train.make_mesh(cfg))
     mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
@@ -384,26 +412,67 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_arrays(tmp_path):
     s2 = train.setup(edited, train.make_mesh(edited))
     with pytest.raises(UsageError) as e:
         restore_checkpoint(mngr, s2.model, s2.opt_state)
-    assert str(e.value).startswith("the checkpoint of step 3 does not fit the model that model.py and the config build: "
-                                   "model.blocks.attn_norm absent there, (2, 32) here; model.blocks.mlp.down (2, 32, 128) "
-                                   "there, (2, 32, 256) here; model.blocks.mlp.up (2, 32, 128) there, (2, 32, 256) here; ...")
-    assert all(not x.is_deleted() for x in jax.tree.leaves(eqx.filter((s2.model, s2.opt_state), eqx.is_array)))
+    mlp, mlp2 = s.model.blocks.mlp, s2.model.blocks.mlp  # in whatever layout model.py stores them
+    assert str(e.value).startswith(
+        "the checkpoint of step 3 does not fit the model that model.py and the config build: "
+        f"model.blocks.attn_norm absent there, (2, 32) here; model.blocks.mlp.down "
+        f"{mlp.down.shape} there, {mlp2.down.shape} here; model.blocks.mlp.up {mlp.up.shape} "
+        f"there, {mlp2.up.shape} here; ...")
+    state = eqx.filter((s2.model, s2.opt_state), eqx.is_array)
+    assert all(not x.is_deleted() for x in jax.tree.leaves(state))
+
+
+def test_restore_model_reads_the_model_alone(tmp_path):
+    """sample.py's restore: a checkpoint's model, onto a model built without an optimizer state
+    (init_gpt, other initial values): exactly the arrays that were saved, and that
+    restore_checkpoint reads, on the given model's shardings. A model of other shapes is refused,
+    naming its arrays only (not the optimizer state it lacks)."""
+    cfg = tiny(tie_embeddings=True, norm_gain=True)  # every kind of parameter, eqx.nn.Shared too
+    arrays = lambda m: [x for x in jax.tree.leaves(m) if eqx.is_array(x)]
+    s = train.setup(cfg, train.make_mesh(cfg))
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, cfg.block_size), np.int32)
+    model, opt_state, _ = s.step(s.model, s.opt_state, x, np.roll(x, -1, axis=2))  # trained
+    saved = [np.asarray(a) for a in arrays(model)]
+    mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
+    save_checkpoint(mngr, 1, model, opt_state, {})
+    mngr.wait_until_finished()
+
+    fresh = init_gpt(cfg, jax.random.key(1))
+    layout = [(a.shape, a.dtype, a.weak_type, a.sharding) for a in arrays(fresh)]
+    assert any((np.asarray(a) != b).any() for a, b in zip(arrays(fresh), saved))
+    got = restore_model(mngr, fresh, step=1)
+    assert [(a.shape, a.dtype, a.weak_type, a.sharding) for a in arrays(got)] == layout
+    s2 = train.setup(cfg, train.make_mesh(cfg))
+    full = restore_checkpoint(mngr, s2.model, s2.opt_state)[0]
+    for a, b, c in zip(arrays(got), saved, arrays(full), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    assert jax.tree.structure(got) == jax.tree.structure(full)  # tied weights still tied
+
+    with pytest.raises(UsageError) as e:
+        restore_model(mngr, init_gpt(tiny(tie_embeddings=True), jax.random.key(1)))
+    message = str(e.value)
+    assert message.startswith("the checkpoint of step 1 does not fit the model that model.py")
+    assert "norm (2, 32) there, absent here" in message and "opt_state" not in message
 
 
 def test_unwritable_run_directory_is_one_line_before_training(shakespeare, tmp_path, env):
     (tmp_path / "file").write_text("")
     r = run(launch_args(tmp_path / "file" / "run"), env)
-    assert_one_line_error(r, f"cannot write the run directory {tmp_path / 'file' / 'run'}: Not a directory")
+    where = tmp_path / "file" / "run"
+    assert_one_line_error(r, f"cannot write the run directory {where}: Not a directory")
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_full_disk_at_a_save_is_one_line(shakespeare, tmp_path, env):
-    """A file size limit (ulimit -f: 128 blocks, 64 or 128 KiB) stands in for a full disk, which would
-    need a small filesystem and root to mount it: config.json and metrics.jsonl fit, the checkpoint's
-    ~400 KB do not, and Python ignores SIGXFSZ, so the write fails with EFBIG as with ENOSPC."""
+    """A file size limit (ulimit -f: 128 blocks, 64 or 128 KiB) stands in for a full disk, which
+    would need a small filesystem and root to mount it: config.json and metrics.jsonl fit, the
+    checkpoint's ~400 KB do not, and Python ignores SIGXFSZ, so the write fails with EFBIG as with
+    ENOSPC."""
     rundir = tmp_path / "run"
     limited = ("sh", "-c", 'ulimit -f 128 && exec "$0" "$@"')
-    r = run(launch_args(rundir, "--config.max_steps=6", "--config.ckpt_interval=3"), env, prefix=limited)
+    args = launch_args(rundir, "--config.max_steps=6", "--config.ckpt_interval=3")
+    r = run(args, env, prefix=limited)
     assert_one_line_error(r, f"saving a checkpoint to {rundir / 'checkpoints'} failed:")
     assert "File too large" in r.stderr and committed_steps(rundir) == []
 

@@ -10,12 +10,16 @@ import configs
 from configs import UsageError
 from conftest import ROOT, run
 
+# The CPU split into 2 devices, as a user splits it to train data-parallel on 2 cores
+SPLIT_CPU = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
 
 def test_overrides_parse_to_the_field_types():
     cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), [
         "--config.learning_rate=3e-4", "--config.n_layer=2", "--config.tie_embeddings=true",
         "--config.remat=save_dots", "--config.dataset=mine"])
-    assert (cfg.learning_rate, cfg.n_layer, cfg.tie_embeddings, cfg.remat, cfg.dataset) == (3e-4, 2, True, "save_dots", "mine")
+    got = (cfg.learning_rate, cfg.n_layer, cfg.tie_embeddings, cfg.remat, cfg.dataset)
+    assert got == (3e-4, 2, True, "save_dots", "mine")
     assert isinstance(cfg.learning_rate, float) and isinstance(cfg.n_layer, int)
 
 
@@ -35,21 +39,25 @@ def test_bad_overrides_name_the_field(arg, message):
 
 @pytest.mark.parametrize("kind", [tuple[int, int], list[int], float | None])
 def test_a_field_type_the_command_line_cannot_parse_is_one_line(kind):
-    """A field a researcher adds with a type parse_value does not know: an error, not tuple("2,4") or a TypeError."""
-    with pytest.raises(UsageError, match=r"^--config.sizes: a field of type .* is set in a config module"):
+    """A field a researcher adds with a type parse_value does not know: an error, not tuple("2,4")
+    or a TypeError."""
+    message = r"^--config.sizes: a field of type .* is set in a config module"
+    with pytest.raises(UsageError, match=message):
         configs.parse_value("sizes", kind, "2,4")
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("grad_clip", -1.0, "grad_clip=-1.0 must be finite and >= 0 (0: no clipping)"),  # a negative one flips the gradient
+    # a negative one would flip the gradient
+    ("grad_clip", -1.0, "grad_clip=-1.0 must be finite and >= 0 (0: no clipping)"),
     ("min_lr", 1.0, "min_lr=1.0 is above learning_rate=0.004"),  # the "decay" would raise the LR
     ("warmup_steps", -5, "warmup_steps=-5 must be >= 0"),
     ("rope_base", 0.0, "rope_base=0.0 must be > 0 and finite"),
     ("alpha_out", 0.0, "alpha_out=0.0 must be > 0 and finite"),
-    ("seed", -1, "seed=-1 must be >= 0"),  # numpy's generator would fail after the run directory is written
-    ("mlp_ratio", 0, "mlp_ratio=0 must be at least 1"),  # a ZeroDivisionError in model.policy_rows
-    ("mesh_replica", 0, "mesh_replica=0 must be at least 1"),  # a ZeroDivisionError in check itself
-    ("cpu_devices", 0, "cpu_devices=0 must be at least 1"),  # reported as a mesh_replica problem before
+    # numpy's generator would fail after the run directory is written
+    ("seed", -1, "seed=-1 must be >= 0"),
+    ("mlp_ratio", 0, "mlp_ratio=0 must be > 0 and finite"),  # an MLP of no width
+    # a ZeroDivisionError in check itself
+    ("mesh_replica", 0, "mesh_replica=0 must be at least 1"),
     ("dataset", "", "dataset is empty: name a folder of data/"),
 ])
 def test_bad_values_name_the_field(field, value, message):
@@ -61,8 +69,10 @@ def test_bad_values_name_the_field(field, value, message):
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("param", "muP", "param='muP': allowed values are 'sp', 'mup'"),  # trained SP while config.json said muP
-    ("tie_embeddings", "false", "tie_embeddings='false' must be true or false"),  # a non-empty string is truthy
+    # trained SP while config.json said muP
+    ("param", "muP", "param='muP': allowed values are 'sp', 'mup'"),
+    # a non-empty string is truthy
+    ("tie_embeddings", "false", "tie_embeddings='false' must be true or false"),
     ("compute_dtype", "fp16", "compute_dtype='fp16': allowed values are 'float32', 'bfloat16'"),
     ("batch_size", 12.0, "batch_size=12.0 must be an integer"),
     ("n_layer", "2", "n_layer='2' must be an integer"),
@@ -71,18 +81,22 @@ def test_bad_values_name_the_field(field, value, message):
     ("dataset", 3, "dataset=3 must be a string"),
 ])
 def test_a_config_module_value_of_the_wrong_type_is_refused(field, value, message):
-    """A config module sets fields in Python, past the command line's parsing: Config checks each type itself.
-    Numbers pass where they belong (an int for a float field, numpy's integers)."""
+    """A config module sets fields in Python, past the command line's parsing: Config checks each
+    type itself. Numbers pass where they belong (an int for a float field, numpy's integers)."""
     with pytest.raises(UsageError) as e:
         configs.Config(**{field: value})
     assert str(e.value) == message
     configs.Config(learning_rate=1, n_layer=np.int64(3), param="mup", tie_embeddings=True)
 
 
-MODULES = [  # (configs/NAME.py's text, what the one line must say after "error: configs/NAME.py: ")
-    ("from configs import Config\nconfig = Config(n_layer=2\n", "SyntaxError: '(' was never closed ({name}.py, line 2)"),
-    ("from configs import Config\nconfg = Config()\n", "AttributeError: module 'configs.{name}' has no attribute 'config'"),
-    ("from configs import Config\nconfig = Config(n_layers=2)\n", "TypeError: Config.__init__() got an unexpected keyword argument 'n_layers'"),
+# (configs/NAME.py's text, what the one line must say after "error: configs/NAME.py: ")
+MODULES = [
+    ("from configs import Config\nconfig = Config(n_layer=2\n",
+     "SyntaxError: '(' was never closed ({name}.py, line 2)"),
+    ("from configs import Config\nconfg = Config()\n",
+     "AttributeError: module 'configs.{name}' has no attribute 'config'"),
+    ("from configs import Config\nconfig = Config(n_layers=2)\n",
+     "TypeError: Config.__init__() got an unexpected keyword argument 'n_layers'"),
     ("config = dict(n_layer=2)\n", "`config` is a dict, not a Config: write config = Config(...)"),
     ("from dataclasses import replace\nfrom configs.shakespeare_char_cpu import config as base\n"
      "config = replace(base, param='muP')\n", "param='muP': allowed values are 'sp', 'mup'"),
@@ -98,45 +112,57 @@ def test_a_broken_config_module_is_one_line(shakespeare, tmp_path, text, message
         r = run(["launch.py", f"--config={name}", f"--rundir={tmp_path / 'run'}"])
     finally:
         module.unlink()
-    assert r.returncode != 0 and r.stderr.strip().splitlines() == [f"error: configs/{name}.py: {message.format(name=name)}"], r.stderr
+    expected = f"error: configs/{name}.py: {message.format(name=name)}"
+    assert r.returncode != 0 and r.stderr.strip().splitlines() == [expected], r.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_every_config_module_loads_and_checks():
-    assert {"shakespeare_char", "shakespeare_char_cpu", "openwebtext", "openwebtext_xl"} <= set(configs.available())
+    shipped = {"shakespeare_char", "shakespeare_char_cpu", "openwebtext", "openwebtext_xl"}
+    assert shipped <= set(configs.available())
     for name in configs.available():
-        configs.load(name).check(configs.load(name).cpu_devices)  # 1, or the devices a CPU is split into
+        cfg = configs.load(name)
+        cfg.check(cfg.mesh_replica)  # the fewest devices its mesh takes
     xl = configs.load("openwebtext_xl")
-    assert (xl.n_layer, xl.n_head, xl.d_model, xl.head_dim, xl.model_vocab) == (48, 25, 1600, 64, 50304)
+    shape = (xl.n_layer, xl.n_head, xl.d_model, xl.head_dim, xl.model_vocab)
+    assert shape == (48, 25, 1600, 64, 50304)
 
 
-BAD_INPUTS = [  # (arguments after --config=shakespeare_char_cpu, what the one line must say)
+# (arguments after --config=shakespeare_char_cpu, what the one line must say), on SPLIT_CPU
+BAD_INPUTS = [
     (["--config=nope"], "unknown config 'nope'; available: openwebtext"),
     (["--config.d_model=130"], "d_model=130 is not divisible by n_head=4"),
     (["--config.d_model=12", "--config.n_head=4"], "head_dim=3 (d_model/n_head) is odd"),
-    (["--config.batch_size=10", "--config.grad_accum=4"], "batch_size=10 is not divisible by devices x grad_accum"),
+    (["--config.batch_size=10", "--config.grad_accum=4"],
+     "batch_size=10 is not divisible by devices x grad_accum"),
     (["--config.block_size=200000"], "block_size=200000 is longer than the val split"),
     (["--config.dataset=nodata"], "prepare it with `python data.py nodata`"),
     (["--config.loss_chunks=5"], "loss_chunks=5 does not divide the 12 sequences of a microbatch"),
     (["--config.vocab_size=50"], "beyond the model's vocab_size=50; set --config.vocab_size=65"),
-    (["--config.cpu_devices=3"], "mesh_replica=2 does not divide the 3 devices"),
-    (["--config.learning_rate=1e39"], "learning_rate=1e+39 and min_lr=0.0002 must be finite in float32"),
+    (["--config.mesh_replica=3"], "mesh_replica=3 does not divide the 2 devices"),
+    (["--config.learning_rate=1e39"],
+     "learning_rate=1e+39 and min_lr=0.0002 must be finite in float32"),
     (["--config.adam_eps=0"], "adam_eps=0.0 must be > 0"),
-    (["--config.max_steps=33"], "max_steps=33 is not a multiple of steps_per_call=5"),
-    (["--config.steps_per_call=0"], "steps_per_call=0 must be at least 1"),
-    (["--config=shakespeare_char_cpu.py"], "unknown config 'shakespeare_char_cpu.py'; --config=shakespeare_char_cpu"),
-    # multi-host flags: without --multihost each host would train alone into the shared run directory
-    (["--process_id=1", "--num_processes=2", "--coordinator_address=127.0.0.1:1234"], "--coordinator_address is for multi-host runs: add --multihost"),
-    (["--multihost", "--coordinator_address=127.0.0.1:1234", "--num_processes=2"], "--multihost: The process id of the current process must be defined"),
-    (["--multihost", "--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=5"], "process_id < num_processes"),
-    (["--multihost", "--coordinator_address=nohost", "--num_processes=1", "--process_id=0"], "--coordinator_address=nohost: expected HOST:PORT"),
+    (["--config=shakespeare_char_cpu.py"],
+     "unknown config 'shakespeare_char_cpu.py'; --config=shakespeare_char_cpu"),
+    # multi-host flags: without --multihost each host would train alone into the shared run
+    # directory
+    (["--process_id=1", "--num_processes=2", "--coordinator_address=127.0.0.1:1234"],
+     "--coordinator_address is for multi-host runs: add --multihost"),
+    (["--multihost", "--coordinator_address=127.0.0.1:1234", "--num_processes=2"],
+     "--multihost: The process id of the current process must be defined"),
+    (["--multihost", "--coordinator_address=127.0.0.1:1234", "--num_processes=2",
+      "--process_id=5"], "process_id < num_processes"),
+    (["--multihost", "--coordinator_address=nohost", "--num_processes=1", "--process_id=0"],
+     "--coordinator_address=nohost: expected HOST:PORT"),
 ]
 
 
 @pytest.mark.parametrize("args,message", BAD_INPUTS)
 def test_bad_input_is_one_line_without_traceback(shakespeare, tmp_path, args, message):
-    argv = (["--config=shakespeare_char_cpu"] if not args[0].startswith("--config=") else []) + args
-    r = run(["launch.py", *argv, f"--rundir={tmp_path / 'run'}"])
+    if not args[0].startswith("--config="):
+        args = ["--config=shakespeare_char_cpu", *args]
+    r = run(["launch.py", *args, f"--rundir={tmp_path / 'run'}"], SPLIT_CPU)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
@@ -144,12 +170,15 @@ def test_bad_input_is_one_line_without_traceback(shakespeare, tmp_path, args, me
 
 
 def test_out_of_memory_is_one_line_naming_the_fix(shakespeare, tmp_path):
-    """A model that cannot fit stops with one line that says what to change, not JAX's traceback. Its MLP weights
-    (157 PB) are past any x86-64 address space, so the allocator refuses them at once whatever the machine."""
-    r = run(["launch.py", "--config=shakespeare_char_cpu", "--config.mlp_ratio=600000000000", f"--rundir={tmp_path}/run"])
+    """A model that cannot fit stops with one line that says what to change, not JAX's traceback.
+    Its MLP weights (157 PB) are past any x86-64 address space, so the allocator refuses them at
+    once whatever the machine."""
+    r = run(["launch.py", "--config=shakespeare_char_cpu", "--config.mlp_ratio=600000000000",
+             f"--rundir={tmp_path}/run"])
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: out of memory (RESOURCE_EXHAUSTED"), r.stderr
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("error: out of memory (RESOURCE_EXHAUSTED"), r.stderr
     assert "--config.grad_accum" in lines[0] and "--config.remat" in lines[0]
 
 
@@ -158,22 +187,43 @@ def test_existing_run_with_another_config_is_not_overwritten(shakespeare, tmp_pa
     rundir.mkdir()
     (rundir / "config.json").write_text("{}")
     r = run(["launch.py", "--config=shakespeare_char_cpu", f"--rundir={rundir}"])
-    assert r.returncode != 0 and "holds a run with no dataset" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "config.json is not a run's config" in r.stderr
     assert (rundir / "config.json").read_text() == "{}"
+
+
+def test_a_run_saved_before_a_config_field_existed_resumes(shakespeare, tmp_path):
+    """A field added to Config later (a new option, default off) is its default in an older run's
+    config.json: the run resumes, and a launch that sets the field otherwise is refused."""
+    from conftest import TINY_RUN
+    rundir = tmp_path / "run"
+    r = run(["launch.py", *TINY_RUN, "--config.max_steps=2", f"--rundir={rundir}"])
+    assert r.returncode == 0, r.stderr
+    saved = json.loads((rundir / "config.json").read_text())
+    del saved["norm_gain"]  # as if norm_gain had been added to Config after this run
+    (rundir / "config.json").write_text(json.dumps(saved))
+    r = run(["launch.py", *TINY_RUN, "--config.max_steps=3", f"--rundir={rundir}"])
+    assert r.returncode == 0, r.stderr
+    r = run(["launch.py", *TINY_RUN, "--config.norm_gain=true", f"--rundir={rundir}"])
+    assert r.returncode == 1 and "holds a run with norm_gain=False" in r.stderr, r.stderr
 
 
 def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    rundir = tmp_path / "run"  # given relative, as README's runs/quickstart is: orbax needs it made absolute
-    r = run(["launch.py", "--config=shakespeare_char_cpu", f"--rundir={os.path.relpath(rundir, ROOT)}",
-             "--config.max_steps=30", "--config.eval_interval=15", "--config.eval_batches=2", "--config.log_interval=5"])
+    rundir = tmp_path / "run"
+    # relative, as README's runs/quickstart is: orbax needs it made absolute
+    relative = os.path.relpath(rundir, ROOT)
+    r = run(["launch.py", "--config=shakespeare_char_cpu", f"--rundir={relative}",
+             "--config.max_steps=30", "--config.eval_interval=15", "--config.eval_batches=2",
+             "--config.log_interval=5"])
     assert r.returncode == 0, r.stderr
     assert (rundir / "checkpoints" / "30").is_dir()  # the final save
     cfg = json.loads((rundir / "config.json").read_text())
     assert cfg["max_steps"] == 30 and cfg["n_layer"] == 4
     run_info = json.loads((rundir / "run.json").read_text())
-    assert len(run_info["git"]["commit"] or "x" * 40) == 40 and run_info["git"]["dirty"] in (True, False, None)
+    assert len(run_info["git"]["commit"] or "x" * 40) == 40
+    assert run_info["git"]["dirty"] in (True, False, None)
     records = [json.loads(line) for line in (rundir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 15, 30]

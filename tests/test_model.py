@@ -45,13 +45,13 @@ def numpy_forward(gpt: M.GPT, cfg, tokens: np.ndarray) -> np.ndarray:
         x = x + np.einsum("thk,hkd->td", out, b.attn.out)
         u = rms(x) @ b.mlp.up
         gelu = 0.5 * u * (1 + np.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
-        x = x + gelu @ b.mlp.down.T
+        x = x + gelu @ b.mlp.down
     return rms(x) @ (emb.embed if cfg.tie_embeddings else emb.unembed).T
 
 
-def random_gpt(cfg, seed=0):
+def random_gpt(cfg, seed=0, fast=None):
     """Every parameter random (the zero readout at init would hide bugs downstream of it)."""
-    gpt = M.init_gpt(cfg, jax.random.key(seed))
+    gpt = M.init_gpt(cfg, jax.random.key(seed), fast)
     params, static = eqx.partition(gpt, eqx.is_array)
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
@@ -85,8 +85,9 @@ def test_rope_depends_on_relative_position_only():
     attn = jax.tree.map(lambda a: a[0], random_gpt(cfg).blocks.attn)
     x = jax.random.normal(jax.random.key(3), (16, cfg.d_model))
     pos = jnp.arange(16)
-    q0, k0, _ = attn.project(x, pos)
-    q1, k1, _ = attn.project(x, pos + 1000)
+    qkv = jnp.einsum("td,dchk->tchk", x, attn.qkv)
+    q0, k0, _ = M.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, *M.rope_table(pos, 16, 1e4))
+    q1, k1, _ = M.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, *M.rope_table(pos + 1000, 16, 1e4))
     scores = lambda q, k: jnp.einsum("thk,shk->hts", q, k)
     np.testing.assert_allclose(scores(q0, k0), scores(q1, k1), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(attn(x, pos), attn(x, pos + 1000), rtol=1e-4, atol=1e-4)
@@ -98,7 +99,7 @@ def test_loss_at_init_is_log_vocab():
     cfg = tiny(n_layer=2, d_model=64, n_head=2)
     gpt = M.init_gpt(cfg, jax.random.key(0))
     x = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
-    assert abs(float(train.loss_fn(gpt, x, x)) - math.log(cfg.model_vocab)) < 0.1
+    assert abs(float(train.loss_fn(gpt, x, x, cfg)) - math.log(cfg.model_vocab)) < 0.1
 
 
 def test_policy_table_covers_every_parameter():
@@ -116,7 +117,7 @@ def test_policy_table_rejects_a_parameter_without_a_row(monkeypatch):
     rows = M.policy_rows(cfg)
     del rows["blocks.mlp.up"]
     monkeypatch.setattr(M, "policy_rows", lambda _: rows)
-    with pytest.raises(AssertionError, match="blocks.mlp.up"):
+    with pytest.raises(M.UsageError, match="without a row in policy_rows: blocks.mlp.up"):
         M.policy_table(gpt, cfg)
 
 
@@ -127,7 +128,7 @@ def test_tied_embeddings_are_one_array():
     emb = gpt.embeddings()
     assert emb.embed is emb.unembed
     x = jnp.zeros((2, 16), jnp.int32)
-    grads = eqx.filter_grad(train.loss_fn)(gpt, x, x)
+    grads = eqx.filter_grad(train.loss_fn)(gpt, x, x, cfg)
     # The readout's gradient reaches the shared array: rows of tokens never input still get one.
     assert float(jnp.abs(grads.emb.pytree.embed[5]).sum()) > 0
 
@@ -138,25 +139,52 @@ def test_remat_and_unroll_do_not_change_gradients(remat):
     cfg = tiny(n_layer=4)
     ref = random_gpt(cfg)
     x = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
-    g0 = eqx.filter_grad(train.loss_fn)(ref, x, x)
+    g0 = eqx.filter_grad(train.loss_fn)(ref, x, x, cfg)
     other = random_gpt(dataclasses.replace(cfg, remat=remat, scan_unroll=2))
-    g1 = eqx.filter_jit(eqx.filter_grad(train.loss_fn))(other, x, x)
+    g1 = eqx.filter_jit(eqx.filter_grad(train.loss_fn))(other, x, x, cfg)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_linear_under_vmap_equals_a_plain_matmul_with_its_gradients():
-    """linear() merges the vmapped batch into the rows; values and gradients must be a matmul's."""
-    x_BTD = jax.random.normal(jax.random.key(0), (3, 5, 8))
-    w_DF = jax.random.normal(jax.random.key(1), (8, 4))
-    plain = lambda w, x: jnp.sum(jnp.sin(jnp.einsum("btd,df->btf", x, w)))
-    merged = lambda w, x: jnp.sum(jnp.sin(jax.vmap(M.linear, in_axes=(0, None))(x, w)))
-    np.testing.assert_allclose(merged(w_DF, x_BTD), plain(w_DF, x_BTD), rtol=1e-5)
-    for argnum in (0, 1):
-        np.testing.assert_allclose(jax.grad(merged, argnum)(w_DF, x_BTD), jax.grad(plain, argnum)(w_DF, x_BTD),
-                                   rtol=1e-5, atol=1e-6)
-    ws = jax.random.normal(jax.random.key(2), (3, 8, 4))  # a batch of weights takes the other path
-    np.testing.assert_allclose(jax.vmap(M.linear)(x_BTD, ws), jnp.einsum("btd,bdf->btf", x_BTD, ws), rtol=1e-5)
+def test_the_model_is_differentiable_on_one_unbatched_sequence():
+    """jax.grad of the model alone, no vmap, no train.py: the directional derivative along a random
+    direction equals a central finite difference (float32: to ~1%)."""
+    cfg = tiny()
+    gpt = random_gpt(cfg)
+    tokens = jnp.arange(16) % cfg.vocab_size
+    f = lambda m: jnp.sum(jnp.sin(m(tokens)))
+    grads = eqx.filter_grad(f)(gpt)
+    params, static = eqx.partition(gpt, eqx.is_array)
+    keys = jax.random.split(jax.random.key(7), len(jax.tree.leaves(params)))
+    tree = jax.tree.structure(params)
+    d = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) for k, x in
+                                  zip(keys, jax.tree.leaves(params))])
+    moved = lambda eps: eqx.combine(jax.tree.map(lambda p, v: p + eps * v, params, d), static)
+    eps = 1e-3
+    numeric = (f(moved(eps)) - f(moved(-eps))) / (2 * eps)
+    analytic = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(eqx.filter(grads, eqx.is_array)),
+                                                   jax.tree.leaves(d)))
+    assert float(analytic) == pytest.approx(float(numeric), rel=2e-2)
+
+
+def test_flops_per_token_follow_an_edited_mlp(monkeypatch):
+    """A gated (SwiGLU) MLP with three matrices: flops_per_token counts them from the model's arrays,
+    against 6N + 12 L H K T written out for that model."""
+    class SwiGLU(eqx.Module):
+        gate: jax.Array
+        up: jax.Array
+        down: jax.Array
+
+        def __init__(self, cfg):
+            D, F = cfg.d_model, cfg.mlp_width
+            self.gate, self.up, self.down = jnp.zeros((D, F)), jnp.zeros((D, F)), jnp.zeros((F, D))
+
+    monkeypatch.setattr(M, "MLP", SwiGLU)
+    cfg = tiny(n_layer=3, d_model=32, n_head=4, mlp_ratio=8 / 3, block_size=16)
+    L, D, F, V, T = 3, 32, round(32 * 8 / 3), cfg.model_vocab, 16
+    gpt = eqx.filter_eval_shape(M.GPT, cfg)
+    want = 6 * (L * (3 * D * D + D * D + 3 * D * F) + V * D) + 12 * L * D * T
+    assert M.flops_per_token(gpt, T) == want
 
 
 def test_attention_implementations_match_a_naive_reference():
@@ -180,45 +208,84 @@ def test_attention_implementations_match_a_naive_reference():
         np.testing.assert_allclose(jax.nn.dot_product_attention(q[b], k[b], v[b], is_causal=True), want,
                                    rtol=1e-5, atol=1e-5)
         if jax.default_backend() == "gpu":
+            import kernels
             bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-            out = M.attend(bf(q[b]), bf(k[b]), bf(v[b]), 1 / math.sqrt(8), impl="cudnn")
+            out = kernels.cudnn_attend(bf(q[b]), bf(k[b]), bf(v[b]), 1 / math.sqrt(8))
             np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2)
-    assert M.attention_impl(tiny(compute_dtype="float32")) is None  # cuDNN needs bf16: never chosen for fp32
+
+
+def every_kernel(monkeypatch):
+    """kernels.FAST_PATHS as if on one GPU: the Pallas kernel in its interpreter (8-token blocks, so
+    a sequence spans two), attention by jax.nn.dot_product_attention's XLA version."""
+    import kernels
+    monkeypatch.setattr(kernels, "ROWS", 8)
+    paths = [dataclasses.replace(p, applies=lambda cfg: True) for p in kernels.FAST_PATHS]
+    monkeypatch.setattr(kernels, "FAST_PATHS", paths)
+    return kernels
 
 
 @pytest.mark.parametrize("remat,unroll", [("none", 2), ("save_dots", 1)])
-def test_fused_qk_norm_rope_kernel_matches_the_xla_path(monkeypatch, remat, unroll):
-    """kernels.qk_norm_rope (the GPU path, here in Pallas's interpreter, 8-token blocks so a sequence
-    spans two) in the whole model: the forward against the numpy reference, and every gradient (the
-    kernel's is written by hand) against autodiff of model.py's own layer_norm and rope, with the remat
-    and scan the XL config uses."""
-    import kernels
+def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, remat, unroll):
+    """The model with every fast path kernels.select accepts: the forward against the numpy
+    reference, and every gradient (the Pallas kernel's is written by hand) against autodiff of
+    model.py's own functions, with the remat and scan the XL config uses."""
     import train
+    kernels = every_kernel(monkeypatch)
     cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll)
-    gpt = random_gpt(cfg)
+    fast = kernels.select(cfg)
+    assert set(fast) == {"attend", "qk_norm_rope"}
+    assert "attend, qk_norm_rope fused" in capsys.readouterr().out
+    plain, fused = random_gpt(cfg), random_gpt(cfg, fast=fast)  # the same arrays
+    assert fused.blocks.attn.fast_qk_norm_rope is fast["qk_norm_rope"]
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
     y = jnp.roll(tokens, -1, axis=1)
-    # not jitted: a jitted function (equinox's cache too) would reuse its first trace, the XLA path's
-    loss_grad = lambda: eqx.filter_value_and_grad(train.loss_fn)(gpt, tokens, y)
-    want_loss, want = loss_grad()
-    monkeypatch.setattr(kernels, "ROWS", 8)
-    monkeypatch.setattr(kernels, "applies", lambda T, K: True)
-    np.testing.assert_allclose(gpt(np.asarray(tokens[0])), numpy_forward(gpt, cfg, np.asarray(tokens[0])),
-                               rtol=1e-4, atol=1e-4)
-    got_loss, got = loss_grad()
+    want_loss, want = eqx.filter_value_and_grad(train.loss_fn)(plain, tokens, y, cfg)
+    one = np.asarray(tokens[0])
+    np.testing.assert_allclose(fused(one), numpy_forward(plain, cfg, one), rtol=1e-4, atol=1e-4)
+    got_loss, got = eqx.filter_value_and_grad(train.loss_fn)(fused, tokens, y, cfg)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     named = lambda g: jax.tree_util.tree_flatten_with_path(eqx.filter(g, eqx.is_array))[0]
     for (path, a), (_, b) in zip(named(want), named(got), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=M.param_name(path))
 
 
-def test_gelu_with_recomputing_backward_has_gelus_derivative():
-    """kernels.gelu's custom backward against the tanh-form GELU's derivative written out by hand."""
-    import kernels
-    x = np.linspace(-4, 4, 101)
-    c = math.sqrt(2 / math.pi)
-    t = np.tanh(c * (x + 0.044715 * x**3))  # in float64; float32's tanh saturates near -5
-    want = 0.5 * (1 + t) + 0.5 * x * (1 - t**2) * c * (1 + 3 * 0.044715 * x**2)
-    x = x.astype(np.float32)
-    np.testing.assert_allclose(kernels.gelu(x), jax.nn.gelu(x), rtol=1e-6)
-    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(kernels.gelu(x)))(x), want, rtol=1e-4, atol=1e-5)
+def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
+    """The self-check against an edited reference: RoPE's rotation turned the other way (a real
+    edit a kernel cannot know of) and the attention's logits doubled. Each fast path standing in
+    for an edited function is set aside with one line, and the model runs the edit."""
+    kernels = every_kernel(monkeypatch)
+    cfg = tiny()
+    plain_rope, plain_attend = M.rope, M.attend
+    monkeypatch.setattr(M, "rope", lambda x, cos, sin: plain_rope(x, cos, -sin))
+    assert set(kernels.select(cfg)) == {"attend"}
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, model.qk_norm_rope "
+                           "runs instead: its output differs by ")
+    monkeypatch.setattr(M, "attend", lambda q, k, v, scale, mask=None: plain_attend(q, k, v, 2 * scale, mask))
+    assert kernels.select(cfg) == {}
+    assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().out
+    assert kernels.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
+    assert capsys.readouterr().out == ""
+    # A signature the kernel cannot be called like is set aside too, not a crash
+    monkeypatch.setattr(M, "attend", lambda q, k, v: plain_attend(q, k, v, 1.0))
+    assert "attend" not in kernels.select(cfg)
+    assert "model.py's function does not take the kernel's inputs" in capsys.readouterr().out
+
+
+def test_a_parameter_without_a_policy_row_stops_launch_before_the_run_directory(shakespeare,
+                                                                                tmp_path):
+    """The mistake of adding a parameter (here: forgetting mlp.up's row) is one line naming it,
+    and nothing is written."""
+    from conftest import TINY_RUN, run
+    code = ("import sys, model\n"
+            "rows = model.policy_rows\n"
+            "model.policy_rows = lambda cfg: {k: v for k, v in rows(cfg).items() "
+            "if k != 'blocks.mlp.up'}\n"
+            "import launch\n"
+            "launch.main(sys.argv[1:])\n")
+    r = run(["-c", code, *TINY_RUN, f"--rundir={tmp_path / 'run'}"])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == ("error: model.py: parameters without a row in policy_rows: "
+                                "blocks.mlp.up (add each one's init std, LR multiplier, decay "
+                                "and sharding)")
+    assert not (tmp_path / "run").exists()

@@ -1,5 +1,5 @@
-"""Multi-host training, for real on the CPU: launch.py --multihost as two processes of 2 devices each
-(jax.distributed on 127.0.0.1, gloo collectives) against one process of 4 devices."""
+"""Multi-host training, for real on the CPU: launch.py --multihost as two processes of 2 devices
+each (jax.distributed on 127.0.0.1, gloo collectives) against one process of 4 devices."""
 import dataclasses
 import json
 import os
@@ -18,15 +18,18 @@ from checkpoint import checkpoint_manager, restore_checkpoint
 from conftest import ROOT, TINY_RUN
 
 STEPS = 10
-# A tiny model on shakespeare_char; every step logged, evaluations at 0 and STEPS, checkpoints at STEPS / 2 and STEPS.
-TINY = [*TINY_RUN, "--config.eval_batches=1", "--config.log_interval=1", f"--config.eval_interval={STEPS}",
-        f"--config.ckpt_interval={STEPS // 2}", f"--config.max_steps={STEPS}"]
+# A tiny model on shakespeare_char; every step logged, evaluations at 0 and STEPS, checkpoints at
+# STEPS / 2 and STEPS.
+TINY = [*TINY_RUN, "--config.eval_batches=1", "--config.log_interval=1",
+        f"--config.eval_interval={STEPS}", f"--config.ckpt_interval={STEPS // 2}",
+        f"--config.max_steps={STEPS}"]
 
 
 @pytest.fixture(scope="module")
 def env() -> dict:
-    """No persistent compilation cache: a multi-device CPU step loaded from it can run its collectives in
-    different orders on different devices and hang (test_checkpoint_restores_onto_another_mesh)."""
+    """No persistent compilation cache: a multi-device CPU step loaded from it can run its
+    collectives in different orders on different devices and hang
+    (test_checkpoint_restores_onto_another_mesh)."""
     return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 
 
@@ -36,24 +39,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def together(commands: list[tuple[list[str], int]], env: dict, timeout: int = 240) -> list[subprocess.CompletedProcess]:
+def together(commands: list[tuple[list[str], int]], env: dict,
+             timeout: int = 240) -> list[subprocess.CompletedProcess]:
     """Run (argv, CPU devices) commands at once; a hang fails the test after `timeout` seconds."""
-    procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
+    split = lambda n: {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=split(devices))
              for argv, devices in commands]
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
-        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out)
+                for p, out in zip(procs, outputs)]
     finally:
         for p in procs:
             p.kill()
 
 
 def multihost(rundir, *args: str) -> list[tuple[list[str], int]]:
-    """The commands of a run as two processes of 2 devices each, joined by jax.distributed on a free port."""
+    """The commands of a run as two processes of 2 devices each, joined by jax.distributed on a
+    free port."""
     port = free_port()
-    return [(["launch.py", *TINY, f"--rundir={rundir}", "--multihost", f"--coordinator_address=127.0.0.1:{port}",
-              "--num_processes=2", f"--process_id={i}", *args], 2) for i in range(2)]
+    join = ["--multihost", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
+    return [(["launch.py", *TINY, f"--rundir={rundir}", *join, f"--process_id={i}", *args], 2)
+            for i in range(2)]
 
 
 def records(rundir) -> dict[int, dict]:
@@ -66,7 +74,8 @@ def records(rundir) -> dict[int, dict]:
 
 
 def restored(rundir, cfg: configs.Config) -> list[np.ndarray]:
-    """The parameters and optimizer state of the latest checkpoint, restored onto this process's devices."""
+    """The parameters and optimizer state of the latest checkpoint, restored onto this process's
+    devices."""
     cfg = dataclasses.replace(cfg, mesh_replica=1)
     s = train.setup(cfg, train.make_mesh(cfg))
     mngr = checkpoint_manager(epath.Path(rundir), cfg, read_only=True)
@@ -75,34 +84,41 @@ def restored(rundir, cfg: configs.Config) -> list[np.ndarray]:
 
 
 def test_mesh_and_batch_rows_per_process(env):
-    """make_mesh puts replicas across processes, fsdp within; each process reads only its rows (the probe asserts)."""
+    """make_mesh puts replicas across processes, fsdp within; each process reads only its rows (the
+    probe asserts)."""
     port = free_port()
-    results = together([([str(ROOT / "tests/mesh_probe.py"), f"127.0.0.1:{port}", str(i)], 2) for i in range(2)], env)
+    probe = str(ROOT / "tests/mesh_probe.py")
+    results = together([([probe, f"127.0.0.1:{port}", str(i)], 2) for i in range(2)], env)
     for i, r in enumerate(results):
         assert r.returncode == 0 and f"process {i}: ok" in r.stdout, r.stderr
 
 
 @pytest.mark.parametrize("replica", [1, 2])
 def test_two_processes_train_as_one(shakespeare, tmp_path, env, replica):
-    """Two processes x 2 devices and one process x 4 devices, on a 1 x 4 (all FSDP) or a 2 x 2 (replica x
-    fsdp) mesh: the same loss at every step and evaluation, and checkpoints that restore to the same state.
-    Process 0 alone prints progress and writes the run directory."""
+    """Two processes x 2 devices and one process x 4 devices, on a 1 x 4 (all FSDP) or a 2 x 2
+    (replica x fsdp) mesh: the same loss at every step and evaluation, and checkpoints that restore
+    to the same state. Process 0 alone prints progress and writes the run directory."""
     mesh = f"--config.mesh_replica={replica}"
     one, two = tmp_path / "one", tmp_path / "two"
-    r_one, *r_two = together([(["launch.py", *TINY, f"--rundir={one}", mesh], 4), *multihost(two, mesh)], env)
+    alone = (["launch.py", *TINY, f"--rundir={one}", mesh], 4)
+    r_one, *r_two = together([alone, *multihost(two, mesh)], env)
     for r in (r_one, *r_two):
         assert r.returncode == 0, r.stderr
     assert f"mesh {{'replica': {replica}, 'fsdp': {4 // replica}}}" in r_two[0].stdout
     assert "step 10: train" in r_two[0].stdout
-    # process 1 prints none of it (gloo prints its connections in both, from several threads at once)
+    # process 1 prints none of it (gloo prints its connections in both, from several threads at
+    # once)
     assert not any(text in r_two[1].stdout for text in ("run directory", "parameters", "step"))
     assert "train:" not in r_two[1].stderr  # no progress bar either
-    assert len(list(two.glob("events.out.tfevents.*"))) == 1 and "--process_id=0" in (two / "run.json").read_text()
+    assert len(list(two.glob("events.out.tfevents.*"))) == 1
+    assert "--process_id=0" in (two / "run.json").read_text()
 
     a, b = records(one), records(two)
-    assert sorted(a) == sorted(b) == list(range(STEPS + 1)) and all(a[s].keys() == b[s].keys() for s in a)
+    assert sorted(a) == sorted(b) == list(range(STEPS + 1))
+    assert all(a[s].keys() == b[s].keys() for s in a)
     diffs = [abs(a[s][k] - b[s][k]) for s in a for k in a[s]]
-    print(f"mesh {replica} x {4 // replica}: {len(diffs)} losses, max |1x4 - 2x2| = {max(diffs):.2e}; "
+    print(f"mesh {replica} x {4 // replica}: {len(diffs)} losses, "
+          f"max |1x4 - 2x2| = {max(diffs):.2e}; "
           f"step {STEPS} loss {a[STEPS]['loss']:.6f} vs {b[STEPS]['loss']:.6f}")
     assert max(diffs) <= 1e-6
 
@@ -110,17 +126,21 @@ def test_two_processes_train_as_one(shakespeare, tmp_path, env, replica):
     state_one, state_two = restored(one, cfg), restored(two, cfg)
     assert len(state_one) == len(state_two)
     worst = max(float(np.abs(x - y).max()) for x, y in zip(state_one, state_two))
-    print(f"mesh {replica} x {4 // replica}: {len(state_one)} restored arrays, max |1x4 - 2x2| = {worst:.2e}")
-    for x, y in zip(state_one, state_two):  # gloo's all-reduce sums in another order than one process does, and
-        # Adam's g / (sqrt(v) + eps) scales that rounding up where |g| is tiny: 1e-5 is ~0.1% of one step's update here
+    print(f"mesh {replica} x {4 // replica}: {len(state_one)} restored arrays, "
+          f"max |1x4 - 2x2| = {worst:.2e}")
+    # gloo's all-reduce sums in another order than one process does, and Adam's
+    # g / (sqrt(v) + eps) scales that rounding up where |g| is tiny: 1e-5 is ~0.1% of one step's
+    # update here
+    for x, y in zip(state_one, state_two):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("where", ["data", "loop"])
 def test_a_failure_in_one_process_stops_both_with_its_reason(shakespeare, tmp_path, env, where):
-    """data: process 1's data directory lacks train.bin (its fetch failed) and it stops before training.
-    loop: process 0 cannot write metrics.jsonl at its first log, after the first collectives. Either
-    way the other process, which would wait in its next collective, stops within seconds with the reason."""
+    """data: process 1's data directory lacks train.bin (its fetch failed) and it stops before
+    training. loop: process 0 cannot write metrics.jsonl at its first log, after the first
+    collectives. Either way the other process, which would wait in its next collective, stops
+    within seconds with the reason."""
     rundir = tmp_path / "run"
     if where == "data":
         bad = tmp_path / "bad" / "shakespeare_char"
@@ -132,12 +152,14 @@ def test_a_failure_in_one_process_stops_both_with_its_reason(shakespeare, tmp_pa
         failing, reason = 1, f"{bad / 'train.bin'} is missing"
     else:
         (rundir / "metrics.jsonl.tmp").mkdir(parents=True)
-        commands, failing, reason = multihost(rundir), 0, "IsADirectoryError: [Errno 21] Is a directory"
+        commands, failing = multihost(rundir), 0
+        reason = "IsADirectoryError: [Errno 21] Is a directory"
     results = together(commands, env, timeout=120)
     for i, r in enumerate(results):
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 1, r.stderr
         prefix = "error: " if i == failing else f"error: process {failing} failed: "
         assert last.startswith(prefix) and reason in last, r.stderr
-    assert ("Traceback" in results[failing].stderr) == (where == "loop")  # a bad input is one line; a bug shows where
+    # a bad input is one line; a bug shows where it is
+    assert ("Traceback" in results[failing].stderr) == (where == "loop")
     assert "Traceback" not in results[1 - failing].stderr

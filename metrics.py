@@ -1,0 +1,129 @@
+"""The run's metrics: the step metrics tallied on the host (Tally, saved with each checkpoint) and
+written to metrics.jsonl and tensorboard event files (Logger), both trimmed back to the checkpoint
+a run resumes from, so a resumed run reads as one uninterrupted run; and the devices' datasheet
+peaks that MFU is measured against.
+"""
+import json
+import time
+
+import jax
+import numpy as np
+from etils import epath
+
+from configs import Config, RunError
+
+
+class Logger:
+    """Scalars to tensorboard event files and metrics.jsonl in the run directory (local or gs://),
+    written by process 0 alone (every process has the same numbers). A run resumed at step `start`
+    first drops what was logged after that step (it came after the checkpoint). A local
+    metrics.jsonl grows by one appended line per log. GCS objects cannot be appended to: there the
+    whole file is rewritten, at most once a minute and at the end (a kill loses at most that minute
+    of lines, which the tensorboard events still hold), not at every log (O(lines^2) bytes over a
+    run)."""
+
+    def __init__(self, rundir: epath.Path, start: int):
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        if jax.process_index() != 0:  # process 0 alone writes; elsewhere every method does nothing
+            self.log = self.text = self.close = lambda *args: None
+            return
+        self.event, self.summary = event_pb2.Event, summary_pb2.Summary
+        self.tb = EventFileWriter(str(rundir))
+        # Tensorboard discards the events of steps >= a START session log's step that came before
+        # it: after the checkpoint resumed from (all, if none was saved). Its server takes a run's
+        # first START for no restart, so a fresh run writes one too.
+        start_log = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+        first = start + 1 if start else 0
+        self.tb.add_event(self.event(wall_time=time.time(), step=first, session_log=start_log))
+        self.path, self.local = rundir / "metrics.jsonl", not str(rundir).startswith("gs://")
+        old = self.path.read_text() if start and self.path.exists() else ""
+        # (a kill mid-append can leave a last line without its newline: it is dropped)
+        self.lines = [line for line in old.splitlines(keepends=True)
+                      if line.endswith("\n") and json.loads(line)["step"] <= start]
+        self.rewrite()
+
+    def rewrite(self) -> None:
+        """The whole file, written aside and renamed into place: a kill never leaves half of it."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(self.lines))
+        tmp.replace(self.path)
+        self.written = time.monotonic()
+
+    def log(self, step: int, record: dict[str, float], tags: dict[str, str]) -> None:
+        """Write record as one JSON line, and each value named in tags (record key -> tensorboard
+        tag)."""
+        self.lines.append(json.dumps({"step": step, **record}) + "\n")
+        if self.local:
+            with self.path.open("a") as f:
+                f.write(self.lines[-1])
+        elif time.monotonic() - self.written > 60:
+            self.rewrite()
+        values = [self.summary.Value(tag=tag, simple_value=record[k])
+                  for k, tag in tags.items() if record.get(k) is not None]
+        summary = self.summary(value=values)
+        self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=summary))
+        self.tb.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        """Text for tensorboard's text plugin (markdown). Every process computes it: sampling takes
+        them all."""
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=text_pb(tag, text)))
+        self.tb.flush()
+
+    def close(self) -> None:
+        if not self.local:
+            self.rewrite()
+        self.tb.close()
+
+
+class Tally:
+    """The step metrics on the host: fetched from the device only at log points and saves (a fetch
+    waits), saved with each checkpoint so a resumed run logs exactly what an uninterrupted one
+    would; counts skipped steps."""
+
+    def __init__(self, cfg: Config, saved: dict | None = None):
+        self.cfg = cfg
+        self.on_device = []  # each step's metrics not fetched yet: dicts of scalar arrays
+        # since_log: the fetched metrics of the steps after the last multiple of log_interval;
+        # streak: the steps skipped in a row
+        self.state = saved or {"since_log": [], "streak": 0, "skipped": 0}
+
+    def fetch(self) -> None:
+        for m in jax.device_get(self.on_device):  # one transfer for all of them
+            m = {k: v.item() for k, v in m.items()}
+            self.state["since_log"].append(m)
+            self.state["streak"] = self.state["streak"] + 1 if m["skipped"] else 0
+            self.state["skipped"] += m["skipped"]
+        self.on_device = []
+
+    def record(self, step: int) -> dict:
+        """Mean loss over the applied steps since the last log, the last grad norm, the skipped
+        count."""
+        self.fetch()
+        steps = self.state["since_log"]
+        losses = [m["loss"] for m in steps if not m["skipped"]]
+        # a last step off the interval keeps them: a longer resumed run logs them at its next log
+        if step % self.cfg.log_interval == 0:
+            self.state["since_log"] = []
+        return {"loss": float(np.mean(losses)) if losses else None,
+                "grad_norm": steps[-1]["grad_norm"], "skipped": self.state["skipped"]}
+
+    def check(self, step: int) -> None:
+        if self.state["streak"] >= self.cfg.max_nonfinite:
+            raise RunError(f"{self.state['streak']} steps in a row up to step {step} had a "
+                           f"non-finite loss or gradient and were skipped "
+                           f"(max_nonfinite={self.cfg.max_nonfinite}): the run has diverged")
+
+
+# Dense bf16 peak FLOP/s per device from the datasheets, matched against jax's device_kind in order.
+PEAK_FLOPS = [("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("v4", 275e12),
+              ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12), ("v5", 459e12)]
+
+
+def peak_flops(device) -> float | None:
+    """None where no datasheet peak is known (a CPU): MFU is then reported as unknown."""
+    return next((peak for name, peak in PEAK_FLOPS if name in device.device_kind), None)

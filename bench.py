@@ -134,8 +134,10 @@ def time_torch(step, steps: int) -> float:
 
 def kernels_in(gpt) -> set[str]:
     """The model.py functions that run as fused kernels in this model (kernels.select chose)."""
-    attn = gpt.blocks.attn
-    return {name for name in ("attend", "qk_norm_rope") if getattr(attn, f"fast_{name}")}
+    attn, mlp = gpt.blocks.attn, gpt.blocks.mlp
+    fast = {"attend": attn.fast_attend, "qk_norm_rope": attn.fast_qk_norm_rope,
+            "gelu": mlp.fast_gelu}
+    return {name for name, fn in fast.items() if fn}
 
 
 def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | None = None) -> dict:

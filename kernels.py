@@ -8,6 +8,8 @@ model.py always runs; the check catches differences larger than the dtype's roun
 and --config.kernels=false turns every fast path off.
 
 - attend: jax.nn.dot_product_attention's cuDNN flash attention (GPU, bfloat16).
+- gelu: model.gelu whose backward recomputes it, where the layers are unrolled (GPU): XLA otherwise
+  keeps GELU's tanh as a second (B, T, F) output of the forward, written and read back.
 - qk_norm_rope: a Pallas kernel for the QK-LayerNorm and RoPE, from the qkv projection straight to
   the q, k and v that attention takes, in one pass each way where XLA made many over float32
   intermediates. Lowered through Triton on one GPU (a pallas_call has no sharding rule: under FSDP
@@ -155,10 +157,34 @@ def qk_norm_rope_example(cfg: Config, key: jax.Array) -> tuple:
     return (qkv, q_gain, k_gain), lambda fn, qkv, qg, kg: fn(qkv, qg, kg, cos, sin)
 
 
+@jax.custom_vjp
+def recomputing_gelu(x):
+    """model.gelu, whatever it says; its backward is jax.vjp of model.gelu from x alone."""
+    return model.gelu(x)
+
+
+def _gelu_bwd(x, dy):  # the barrier keeps XLA from sharing the tanh with the forward's again
+    return jax.vjp(model.gelu, jax.lax.optimization_barrier(x))[1](dy)
+
+
+recomputing_gelu.defvjp(lambda x: (model.gelu(x), x), _gelu_bwd)
+
+
+def gelu_applies(cfg: Config) -> bool:
+    """In a scan XLA keeps the recomputation in the backward already, and this pass was slower."""
+    return on_gpu() and cfg.scan_unroll >= cfg.n_layer
+
+
+def gelu_example(cfg: Config, key: jax.Array) -> tuple:
+    x = jax.random.normal(key, (cfg.block_size, cfg.mlp_width), cfg.compute_dtype)
+    return (x,), lambda fn, x: fn(x)
+
+
 FAST_PATHS = [
     FastPath("attend", "cuDNN flash attention", cudnn_attend, cudnn_applies, attend_example),
     FastPath("qk_norm_rope", "the Pallas QK-norm + RoPE kernel", fused_qk_norm_rope,
              qk_norm_rope_applies, qk_norm_rope_example),
+    FastPath("gelu", "the recomputing GELU", recomputing_gelu, gelu_applies, gelu_example),
 ]
 
 

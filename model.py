@@ -4,7 +4,7 @@ Shapes: B batch, T time, S key positions, D model width, H heads, K head dim, F 
 V vocab, L layers. Modules see one sequence (T tokens); train.py adds the batch with jax.vmap.
 
 The functions here are the definition of the math. kernels.py may hold a fused version of one of
-them (attend, qk_norm_rope); a run uses it only after checking it against the function here, so an
+them (attend, qk_norm_rope, gelu); a run uses it only after checking it against the function here, so an
 edit to this file always runs (kernels.select).
 """
 import dataclasses
@@ -72,6 +72,11 @@ def qk_norm_rope(qkv_T3HK: Array, q_gain_K: Array, k_gain_K: Array, cos_TK2: Arr
     return q_THK, k_THK, v_THK
 
 
+def gelu(x: Array) -> Array:
+    """GELU in GPT-2's tanh form."""
+    return jax.nn.gelu(x)
+
+
 def attend(q_THK: Array, k_SHK: Array, v_SHK: Array, scale: float,
            mask_TS: Array | None = None) -> Array:
     """softmax(q.k * scale) v over the keys mask_TS allows (None: causal), softmax in float32."""
@@ -121,15 +126,16 @@ class MLP(eqx.Module):
     up: Float[Array, "D F"]
     down: Float[Array, "F D"]
     dtype: str = eqx.field(static=True)
+    fast_gelu: Callable | None = eqx.field(static=True)  # kernels.select's, or None
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, fast: dict[str, Callable]):
         self.up = jnp.zeros((cfg.d_model, cfg.mlp_width))
         self.down = jnp.zeros((cfg.mlp_width, cfg.d_model))
-        self.dtype = cfg.compute_dtype
+        self.dtype, self.fast_gelu = cfg.compute_dtype, fast.get("gelu")
 
     def __call__(self, x_TD: Array) -> Array:
         h_TF = jnp.einsum("TD,DF->TF", x_TD, self.up.astype(self.dtype))
-        h_TF = tap("mlp_hidden", jax.nn.gelu(h_TF))
+        h_TF = tap("mlp_hidden", (self.fast_gelu or gelu)(h_TF))
         return tap("mlp_out", jnp.einsum("TF,FD->TD", h_TF, self.down.astype(self.dtype)))
 
 
@@ -144,7 +150,7 @@ class Block(eqx.Module):
     def __init__(self, cfg: Config, fast: dict[str, Callable]):
         self.attn_norm = jnp.ones(cfg.d_model) if cfg.norm_gain else None
         self.mlp_norm = jnp.ones(cfg.d_model) if cfg.norm_gain else None
-        self.attn, self.mlp = Attention(cfg, fast), MLP(cfg)
+        self.attn, self.mlp = Attention(cfg, fast), MLP(cfg, fast)
         self.branch_mult = 1 / cfg.depth_mult
 
     def __call__(self, x_TD: Array, pos_T: Array, cache: Callable | None = None) -> Array:
@@ -202,10 +208,12 @@ class GPT(eqx.Module):
 
     def logits(self, x_TD: Array) -> Float[Array, "T V"]:
         """The final norm and the readout, in float32."""
-        h_TD = rms_norm(x_TD, self.final_norm)
+        # the multiplier on the (T, D) input rather than the (T, V) logits: the same product
+        h_TD = self.readout_mult * rms_norm(x_TD, self.final_norm)
         unembed_VD = self.embeddings().unembed.astype(self.dtype)
-        logits_TV = jnp.einsum("TD,VD->TV", h_TD, unembed_VD, preferred_element_type=jnp.float32)
-        return tap("logits", self.readout_mult * logits_TV)
+        # cast after the matmul: its gradient's matmuls then run in the compute dtype too
+        logits_TV = jnp.einsum("TD,VD->TV", h_TD, unembed_VD).astype(jnp.float32)
+        return tap("logits", logits_TV)
 
     def run_blocks(self, x_TD: Array, pos_T: Array) -> Array:
         """All L blocks by lax.scan over the stacked parameters: compile time does not grow with

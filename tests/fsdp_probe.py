@@ -23,7 +23,7 @@ if sys.argv[4:] == ["kernels"]:
     import kernels
     kernels.ROWS = 8
     kernels.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in kernels.FAST_PATHS]
-    assert set(kernels.select(cfg)) == {"attend", "qk_norm_rope"}
+    assert set(kernels.select(cfg)) == {"attend", "qk_norm_rope", "gelu"}
 assert jax.device_count() == n
 mesh = train.make_mesh(cfg)
 s = train.setup(cfg, mesh)

@@ -175,7 +175,7 @@ def test_flops_per_token_follow_an_edited_mlp(monkeypatch):
         up: jax.Array
         down: jax.Array
 
-        def __init__(self, cfg):
+        def __init__(self, cfg, fast):
             D, F = cfg.d_model, cfg.mlp_width
             self.gate, self.up, self.down = jnp.zeros((D, F)), jnp.zeros((D, F)), jnp.zeros((F, D))
 
@@ -233,8 +233,8 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     kernels = every_kernel(monkeypatch)
     cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll)
     fast = kernels.select(cfg)
-    assert set(fast) == {"attend", "qk_norm_rope"}
-    assert "attend, qk_norm_rope fused" in capsys.readouterr().out
+    assert set(fast) == {"attend", "qk_norm_rope", "gelu"}
+    assert "attend, qk_norm_rope, gelu fused" in capsys.readouterr().out
     plain, fused = random_gpt(cfg), random_gpt(cfg, fast=fast)  # the same arrays
     assert fused.blocks.attn.fast_qk_norm_rope is fast["qk_norm_rope"]
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
@@ -257,12 +257,12 @@ def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
     cfg = tiny()
     plain_rope, plain_attend = M.rope, M.attend
     monkeypatch.setattr(M, "rope", lambda x, cos, sin: plain_rope(x, cos, -sin))
-    assert set(kernels.select(cfg)) == {"attend"}
+    assert set(kernels.select(cfg)) == {"attend", "gelu"}
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, model.qk_norm_rope "
                            "runs instead: its output differs by ")
     monkeypatch.setattr(M, "attend", lambda q, k, v, scale, mask=None: plain_attend(q, k, v, 2 * scale, mask))
-    assert kernels.select(cfg) == {}
+    assert set(kernels.select(cfg)) == {"gelu"}
     assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().out
     assert kernels.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
     assert capsys.readouterr().out == ""
@@ -289,3 +289,19 @@ def test_a_parameter_without_a_policy_row_stops_launch_before_the_run_directory(
                                 "blocks.mlp.up (add each one's init std, LR multiplier, decay "
                                 "and sharding)")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys):
+    """kernels.recomputing_gelu runs model.gelu whatever it says, forward and backward: with GELU
+    edited to its exact (erf) form, the check passes and the kernel computes the edit, values and
+    derivative against the erf GELU written out in numpy."""
+    kernels = every_kernel(monkeypatch)
+    monkeypatch.setattr(M, "gelu", lambda x: jax.nn.gelu(x, approximate=False))
+    assert "gelu" in kernels.select(tiny())
+    x = np.linspace(-4, 4, 101)
+    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+    pdf = np.exp(-x**2 / 2) / math.sqrt(2 * math.pi)
+    x32 = x.astype(np.float32)
+    np.testing.assert_allclose(kernels.recomputing_gelu(x32), x * cdf, rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(kernels.recomputing_gelu(x)))(x32)
+    np.testing.assert_allclose(grad, cdf + x * pdf, rtol=1e-4, atol=1e-5)

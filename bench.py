@@ -23,7 +23,8 @@ from pathlib import Path
 import configs
 from configs import Config, RunError, UsageError
 
-TORCH_BLOCKS = 6  # with --torch: JAX and PyTorch timed in this many alternating blocks, medians reported
+# with --torch: JAX and PyTorch are timed in this many alternating blocks, and medians reported
+TORCH_BLOCKS = 6
 
 
 def time_calls(step, state: tuple, batch: tuple, sharding, calls: int) -> tuple[float, tuple]:
@@ -47,20 +48,28 @@ def trace_ops(step, state: tuple, batch: tuple, sharding, trace_dir: str, top: i
     jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
     time_calls(step, state, batch, sharding, 3)
     jax.profiler.stop_trace()
-    trace = json.load(gzip.open(max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda f: f.stat().st_mtime)))
+    newest = max(Path(trace_dir).rglob("*.trace.json.gz"), key=lambda f: f.stat().st_mtime)
+    trace = json.load(gzip.open(newest))
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    process = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    process = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
     on_device = any("/device:" in name for name in process.values())
+    loop = re.compile(r"(while|conditional|call)(\.\d+)?$")  # loops contain the ops counted
     total = collections.Counter()
     for e in events:
-        if e.get("ph") == "X" and (("/device:" in process.get(e["pid"], "")) if on_device else "hlo_op" in e.get("args", {})):
-            if not re.match(r"(while|conditional|call)(\.\d+)?$", e["name"]):  # loops contain the ops counted
-                total[e["name"]] += e["dur"] / 1e3 / 3
+        if e.get("ph") != "X":
+            continue
+        if on_device:
+            ours = "/device:" in process.get(e["pid"], "")
+        else:
+            ours = "hlo_op" in e.get("args", {})
+        if ours and not loop.match(e["name"]):
+            total[e["name"]] += e["dur"] / 1e3 / 3
     return dict(total.most_common(top))
 
 
 def matmul_peak(dtype: str) -> float:
-    """FLOP/s of a 2048^3 matmul in the compute dtype: the best this process reaches on this CPU."""
+    """FLOP/s of a 2048^3 matmul in the compute dtype: the best this process gets on this CPU."""
     import jax
     import jax.numpy as jnp
 
@@ -75,14 +84,15 @@ def matmul_peak(dtype: str) -> float:
 
 
 def torch_step(cfg: Config):
-    """One train step of the same model (RMSNorm, QK-LayerNorm, RoPE, GELU MLP, untied readout) and
-    optimizer (AdamW, clipping) written plainly in eager PyTorch, float32, on the CPU: a function that
-    runs a step, already warmed up."""
+    """One train step of the same model (RMSNorm, QK-LayerNorm, RoPE, GELU MLP, untied readout)
+    and optimizer (AdamW, clipping) written plainly in eager PyTorch, float32, on the CPU: a
+    function that runs a step, already warmed up."""
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    B, T, D, H, K, V = cfg.batch_size, cfg.block_size, cfg.d_model, cfg.n_head, cfg.head_dim, cfg.model_vocab
+    B, T, D, H, K = cfg.batch_size, cfg.block_size, cfg.d_model, cfg.n_head, cfg.head_dim
+    V = cfg.model_vocab
     freq = cfg.rope_base ** (-torch.arange(K // 2) / (K // 2))
     angle = torch.arange(T)[:, None] * freq
     cos, sin = angle.cos()[:, None], angle.sin()[:, None]
@@ -96,7 +106,8 @@ def torch_step(cfg: Config):
             super().__init__()
             self.qkv, self.out = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
             self.q_norm, self.k_norm = nn.LayerNorm(K, bias=False), nn.LayerNorm(K, bias=False)
-            self.up, self.down = nn.Linear(D, cfg.mlp_width, bias=False), nn.Linear(cfg.mlp_width, D, bias=False)
+            self.up = nn.Linear(D, cfg.mlp_width, bias=False)
+            self.down = nn.Linear(cfg.mlp_width, D, bias=False)
 
         def forward(self, x):
             q, k, v = self.qkv(F.rms_norm(x, (D,))).view(B, T, 3, H, K).unbind(2)
@@ -105,9 +116,12 @@ def torch_step(cfg: Config):
             x = x + self.out(o.transpose(1, 2).reshape(B, T, D))
             return x + self.down(F.gelu(self.up(F.rms_norm(x, (D,))), approximate="tanh"))
 
-    embed, blocks, unembed = nn.Embedding(V, D), nn.ModuleList(Block() for _ in range(cfg.n_layer)), nn.Linear(D, V, bias=False)
+    embed = nn.Embedding(V, D)
+    blocks = nn.ModuleList(Block() for _ in range(cfg.n_layer))
+    unembed = nn.Linear(D, V, bias=False)
     params = [*embed.parameters(), *blocks.parameters(), *unembed.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), weight_decay=0.1)
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
+                            weight_decay=0.1)
     x, y = torch.randint(0, cfg.vocab_size, (B, T)), torch.randint(0, cfg.vocab_size, (B, T))
 
     def step():
@@ -133,7 +147,7 @@ def time_torch(step, steps: int) -> float:
 
 
 def kernels_in(gpt) -> set[str]:
-    """The model.py functions that run as fused kernels in this model (kernels.select chose)."""
+    """The model.py functions that run as kernels.py's fast paths here (kernels.select chose)."""
     attn, mlp = gpt.blocks.attn, gpt.blocks.mlp
     fast = {"attend": attn.fast_attend, "qk_norm_rope": attn.fast_qk_norm_rope,
             "gelu": mlp.fast_gelu}
@@ -159,7 +173,8 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
     # the first step traces and compiles; two more warm up
     first_s, state = time_calls(s.step, (s.model, s.opt_state), (x, y), sharding, 1)
     _, state = time_calls(s.step, state, (x, y), sharding, 2)
-    if with_torch:  # alternating blocks, so that the machine's drift over the run hits both alike
+    # alternating blocks, so that the machine's drift over the run hits both alike
+    if with_torch:
         torch_fn, blocks, jax_s, torch_s = torch_step(cfg), min(TORCH_BLOCKS, steps), [], []
         for b in range(blocks):
             n = steps // blocks + (b < steps % blocks)
@@ -174,7 +189,8 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
         step_s, state = time_calls(s.step, state, (x, y), sharding, steps)
     if trace_dir:
         ops = trace_ops(s.step, state, (x, y), sharding, trace_dir)
-        print(f"ms a step in the ops that took the most, traced into {trace_dir}:", file=sys.stderr)
+        print(f"ms a step in the ops that took the most, traced into {trace_dir}:",
+              file=sys.stderr)
         print("\n".join(f"{ms:9.3f}  {name}" for name, ms in ops.items()), file=sys.stderr)
     device = jax.devices()[0]
     flops = model.flops_per_token(s.model, cfg.block_size)
@@ -197,16 +213,19 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
         result |= {"matmul_peak_flops": round(measured),
                    "fraction_of_matmul_peak": round(tokens_per_s * flops / measured, 4)}
     if with_torch:
-        result |= {"torch_step_ms": round(1e3 * torch_s, 2), "step_over_torch": float(f"{step_s / torch_s:.4g}")}
+        result |= {"torch_step_ms": round(1e3 * torch_s, 2),
+                   "step_over_torch": float(f"{step_s / torch_s:.4g}")}
     return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
-    ap.add_argument("--steps", type=int, default=20, help="timed steps after compile and warmup (whole calls)")
-    ap.add_argument("--torch", action="store_true", help="also time an eager PyTorch version (needs torch)")
-    ap.add_argument("--trace", metavar="DIR", help="also trace 3 calls into DIR; print the costliest ops to stderr")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps after compile and warmup")
+    ap.add_argument("--torch", action="store_true",
+                    help="also time an eager PyTorch version (needs torch)")
+    ap.add_argument("--trace", metavar="DIR",
+                    help="also trace 3 calls into DIR; print the costliest ops to stderr")
     args, overrides = ap.parse_known_args()
     try:
         if args.steps < 1:

@@ -3,9 +3,9 @@
 Shapes: B batch, T time, S key positions, D model width, H heads, K head dim, F mlp width,
 V vocab, L layers. Modules see one sequence (T tokens); train.py adds the batch with jax.vmap.
 
-The functions here are the definition of the math. kernels.py may hold a fused version of one of
-them (attend, qk_norm_rope, gelu); a run uses it only after checking it against the function here, so an
-edit to this file always runs (kernels.select).
+The functions here are the definition of the math. kernels.py may hold a fused version of some
+(attend, qk_norm_rope, gelu); a run uses one only after checking it against the function here, so
+an edit to this file always runs (kernels.select).
 """
 import dataclasses
 import functools
@@ -21,12 +21,11 @@ from jaxtyping import Array, Float, Int
 
 from configs import Config, UsageError
 
-# Activation taps for mup.py's coordinate check: tap(name, x) returns x and hands it, at trace
-# time, to the functions in TAPS (mup.py's send mean |x| to the host). Empty: nothing changes.
+# mup.py's coordinate check: tap(name, x) hands x to TAPS' functions at trace time, returns x
 TAPS: list[Callable[[str, Array], None]] = []
 
 
-def tap(name: str, x: Array) -> Array:  # x, shown to TAPS
+def tap(name: str, x: Array) -> Array:
     for record in TAPS:
         record(name, x)
     return x
@@ -48,7 +47,7 @@ def layer_norm(x_THK: Array, gain_K: Array) -> Array:
 
 
 def rope_table(pos_T: Array, K: int, base: float) -> tuple[Array, Array]:
-    """cos and sin (T, K/2) of RoPE's angles pos * base^(-2i/K), built once per forward."""
+    """cos and sin (T, K/2) of RoPE's angles pos * base^(-2i/K), built once for all blocks."""
     inv_freq_K2 = base ** (-jnp.arange(K // 2, dtype=jnp.float32) / (K // 2))
     angle_TK2 = pos_T.astype(jnp.float32)[:, None] * inv_freq_K2
     return jnp.cos(angle_TK2), jnp.sin(angle_TK2)
@@ -107,16 +106,17 @@ class Attention(eqx.Module):
         self.scale, self.rope_base, self.dtype = cfg.attn_scale, cfg.rope_base, cfg.compute_dtype
         self.fast_attend, self.fast_qk_norm_rope = fast.get("attend"), fast.get("qk_norm_rope")
 
-    def __call__(self, x_TD: Array, pos_T: Array, cache: Callable | None = None) -> Array:
-        """cache: sample.py's KV cache, a function that stores these keys and values and returns
-        the cache's (S, H, K) ones with the (T, S) mask of those each query may see."""
+    def __call__(self, x_TD: Array, rope_TK2: tuple[Array, Array],
+                 cache: Callable | None = None) -> Array:
+        """rope_TK2: GPT.rope's tables. cache: sample.py's KV cache, a function that stores these
+        keys and values, returning the cache's (S, H, K) ones and the (T, S) mask of those seen."""
         qkv_T3HK = jnp.einsum("TD,DCHK->TCHK", x_TD, self.qkv.astype(self.dtype))
-        cos_TK2, sin_TK2 = rope_table(pos_T, qkv_T3HK.shape[-1], self.rope_base)
+        cos_TK2, sin_TK2 = rope_TK2
         norm_rope = self.fast_qk_norm_rope or qk_norm_rope
         q_THK, k_THK, v_THK = norm_rope(qkv_T3HK, self.q_norm, self.k_norm, cos_TK2, sin_TK2)
         if TAPS:  # the causal logits, for mup.py
             logits_HTT = self.scale * jnp.einsum("THK,SHK->HTS", q_THK, k_THK)
-            tap("attn_logits", logits_HTT[:, *jnp.tril_indices(len(pos_T))])
+            tap("attn_logits", logits_HTT[:, *jnp.tril_indices(len(x_TD))])
         k_SHK, v_SHK, mask_TS = (k_THK, v_THK, None) if cache is None else cache(k_THK, v_THK)
         o_THK = (self.fast_attend or attend)(q_THK, k_SHK, v_SHK, self.scale, mask_TS)
         return tap("attn_out", jnp.einsum("THK,HKD->TD", o_THK, self.out.astype(self.dtype)))
@@ -148,25 +148,25 @@ class Block(eqx.Module):
     branch_mult: float = eqx.field(static=True)
 
     def __init__(self, cfg: Config, fast: dict[str, Callable]):
-        self.attn_norm = jnp.ones(cfg.d_model) if cfg.norm_gain else None
-        self.mlp_norm = jnp.ones(cfg.d_model) if cfg.norm_gain else None
+        self.attn_norm = self.mlp_norm = jnp.ones(cfg.d_model) if cfg.norm_gain else None
         self.attn, self.mlp = Attention(cfg, fast), MLP(cfg, fast)
         self.branch_mult = 1 / cfg.depth_mult
 
-    def __call__(self, x_TD: Array, pos_T: Array, cache: Callable | None = None) -> Array:
-        x_TD = x_TD + self.branch_mult * self.attn(rms_norm(x_TD, self.attn_norm), pos_T, cache)
+    def __call__(self, x_TD: Array, rope_TK2: tuple[Array, Array],
+                 cache: Callable | None = None) -> Array:
+        x_TD = x_TD + self.branch_mult * self.attn(rms_norm(x_TD, self.attn_norm), rope_TK2, cache)
         return tap("resid", x_TD + self.branch_mult * self.mlp(rms_norm(x_TD, self.mlp_norm)))
 
 
-class Embeddings(eqx.Module):
+class Embeddings(eqx.Module):  # the readout stored like embed, so that eqx.nn.Shared can tie them
     embed: Float[Array, "V D"]
-    unembed: Float[Array, "V D"]  # the readout, stored like embed so eqx.nn.Shared can tie the two
+    unembed: Float[Array, "V D"]
 
 
 REMAT_POLICIES = {  # what the backward pass may keep instead of recomputing, per block
     # "none": no jax.checkpoint at all, keep everything: fastest, most memory
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
-    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls' outputs
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls' out
 }
 
 
@@ -200,33 +200,34 @@ class GPT(eqx.Module):
         return self.logits(self.hidden(tokens_T))
 
     def hidden(self, tokens_T: Int[Array, "T"]) -> Array:
-        """The residual stream after the last block."""
-        return self.run_blocks(self.embed(tokens_T), jnp.arange(tokens_T.shape[0]))
+        """The residual stream after the last block. The L blocks run by lax.scan over the stacked
+        parameters: compile time does not grow with depth. sample.py runs them with a KV cache."""
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+        rope_TK2 = self.rope(jnp.arange(tokens_T.shape[0]))
+
+        def layer(x_TD, block_params):
+            return eqx.combine(block_params, static)(x_TD, rope_TK2), None
+
+        if self.remat != "none":  # prevent_cse=False is safe inside scan (jax.checkpoint's docs)
+            policy = REMAT_POLICIES[self.remat]
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        return jax.lax.scan(layer, self.embed(tokens_T), params, unroll=self.unroll)[0]
 
     def embed(self, tokens_T: Int[Array, "T"]) -> Array:
         return tap("embed", self.alpha_in * self.embeddings().embed[tokens_T].astype(self.dtype))
 
     def logits(self, x_TD: Array) -> Float[Array, "T V"]:
         """The final norm and the readout, in float32."""
-        # the multiplier on the (T, D) input rather than the (T, V) logits: the same product
-        h_TD = self.readout_mult * rms_norm(x_TD, self.final_norm)
+        h_TD = rms_norm(x_TD, self.final_norm)
         unembed_VD = self.embeddings().unembed.astype(self.dtype)
         # cast after the matmul: its gradient's matmuls then run in the compute dtype too
         logits_TV = jnp.einsum("TD,VD->TV", h_TD, unembed_VD).astype(jnp.float32)
-        return tap("logits", logits_TV)
+        return tap("logits", self.readout_mult * logits_TV)
 
-    def run_blocks(self, x_TD: Array, pos_T: Array) -> Array:
-        """All L blocks by lax.scan over the stacked parameters: compile time does not grow with
-        depth. sample.py runs the blocks itself, with a KV cache."""
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def layer(x_TD, block_params):
-            return eqx.combine(block_params, static)(x_TD, pos_T), None
-
-        if self.remat != "none":  # prevent_cse=False is safe inside scan (jax.checkpoint's docs)
-            policy = REMAT_POLICIES[self.remat]
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        return jax.lax.scan(layer, x_TD, params, unroll=self.unroll)[0]
+    def rope(self, pos_T: Array) -> tuple[Array, Array]:
+        """RoPE's tables at these positions, for every block."""
+        attn = self.blocks.attn
+        return rope_table(pos_T, attn.qkv.shape[-1], attn.rope_base)
 
 
 def init_gpt(cfg: Config, key: Array, fast: dict[str, Callable] | None = None) -> GPT:
@@ -263,17 +264,13 @@ class Policy:
 
 
 def policy_rows(cfg: Config) -> dict[str, Policy]:
-    """The per-parameter table. m = cfg.width_mult = d_model / d_base and d = cfg.depth_mult =
-    n_layer / depth_base under muP, both 1 under SP: every multiplier is then 1, so at the base
-    shape muP is SP. Sources: [TP5] Tensor Programs V (Yang et al. 2022) Table 3, muP for Adam;
-    [mup] microsoft/mup (MuAdam divides matrix-like LRs by width_mult, MuReadout the logits);
-    [nGm] EleutherAI nanoGPT-mup, the same rules in a GPT, and its completep branch; [muT]
-    mu_transformer (Lingle 2024); [CP] CompleteP (Dey et al. 2025) Table 1 with alpha = 1: no depth
-    factor on any LR. Weight decay is independent of lr and of m (train.scale_by_policy), so muP
-    needs no decay rule. Adam's epsilon must stay below the gradients it is added to (Everett et
-    al. 2024): all gradients carry the readout's 1/m and those inside blocks also the branch scale
-    1/d, so eps is scaled down by the same ([CP], [nGm] completep: adam_eps / (m_N * m_L)).
-    Sharding: FSDP on the D axis of every matrix (1-D gains stay replicated)."""
+    """The per-parameter table. m = d_model / d_base and d = n_layer / depth_base under muP, 1 under
+    SP, where every multiplier is 1: at the base shape muP is SP. [TP5] Tensor Programs V Table 3;
+    [mup] microsoft/mup; [nGm] EleutherAI nanoGPT-mup and its completep branch; [muT]
+    mu_transformer (Lingle 2024); [CP] CompleteP (Dey et al. 2025), alpha = 1: no depth factor on
+    any LR. Weight decay is independent of lr and m (train.scale_by_policy). Adam's eps must stay
+    below the gradients (Everett et al. 2024), which carry the readout's 1/m and, inside blocks,
+    the branch scale 1/d: eps is scaled by the same [CP, nGm]. FSDP shards every matrix's D axis."""
     D, F, m, d = cfg.d_model, cfg.mlp_width, cfg.width_mult, cfg.depth_mult
     hidden = dict(lr_mult=1 / m, decay=True, eps_mult=1 / (m * d))  # [TP5 hidden, mup, nGm, muT]
     gain = dict(lr_mult=1.0, decay=False, init_mean=1.0, eps_mult=1 / (m * d))  # vector-like [TP5]
@@ -314,7 +311,7 @@ def param_name(path) -> str:
 
 
 def policy_table(model: GPT, cfg: Config):
-    """A pytree like the model's arrays with each parameter's Policy; every parameter needs a row."""
+    """A pytree like the model's arrays with each parameter's Policy; each needs a row."""
     rows, params = policy_rows(cfg), eqx.filter(model, is_param)
     names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     if missing := [name for name in names if name not in rows]:
@@ -349,9 +346,8 @@ def count_params(model: GPT) -> int:
 
 def flops_per_token(model: GPT, T: int) -> float:
     """Model FLOPs per token, forward + backward, from the model's own arrays: 6N + 12·L·H·K·T
-    (PaLM, Chowdhery et al. 2022, app. B). N counts every matrix a token is multiplied by: the
-    blocks' and the readout, not the embedding (a lookup) nor the gains (elementwise). 12·L·H·K·T
-    is the attention scores and their use over the full T x T (causal masking not deducted)."""
+    (PaLM app. B). N: every matrix a token is multiplied by (the blocks' and the readout, not the
+    embedding lookup nor the gains); 12·L·H·K·T: attention's scores and their use, full T x T."""
     arrays = jax.tree.leaves(eqx.filter(model.blocks, is_param))
     N = sum(math.prod(x.shape) for x in arrays if len(x.shape) >= 3)  # (L, ...) matrices
     N += math.prod(model.embeddings().unembed.shape)

@@ -1,11 +1,13 @@
-"""Generate text from a run:  python sample.py --rundir=DIR [--start=TEXT | --start=FILE:path] [--step=S]
+"""Generate text from a run:
+    python sample.py --rundir=DIR [--start=TEXT | --start=FILE:path] [--step=S]
     [--num_samples=N] [--max_new_tokens=N] [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S]
 
-Decoding keeps a key/value cache of block_size positions and runs in one jitted lax.scan, one token per
-step for all samples at once. The model was trained on block_size positions, so that is its context:
-a longer prompt keeps its last block_size tokens, and when the cache is full the window slides by half:
-the last block_size // 2 tokens are run through the model again from position 0 (a fresh cache) and
-generation goes on, so every new token sees between block_size // 2 and block_size tokens.
+Decoding keeps a key/value cache of block_size positions and runs in one jitted lax.scan, one
+token per step for all samples at once. The model was trained on block_size positions, so that is
+its context: a longer prompt keeps its last block_size tokens, and when the cache is full the
+window slides by half: the last block_size // 2 tokens are run through the model again from
+position 0 (a fresh cache) and generation goes on, so every new token sees between
+block_size // 2 and block_size tokens.
 
 Shapes as in model.py, plus S cache positions (block_size) and N new tokens per sample.
 """
@@ -30,7 +32,7 @@ from model import GPT, init_gpt
 
 
 class Cache(NamedTuple):
-    """Keys and values of one sequence at positions 0..S-1 for every layer (RoPE already applied to k)."""
+    """Each layer's keys (RoPE already applied) and values of one sequence at positions 0..S-1."""
     k_LSHK: jax.Array
     v_LSHK: jax.Array
 
@@ -42,14 +44,15 @@ def empty_cache(model: GPT, S: int) -> Cache:
 
 
 def extend(model: GPT, cache: Cache, tokens_T: jax.Array, start) -> tuple[jax.Array, Cache]:
-    """Run tokens_T at positions start..start+T-1 through the blocks, writing their keys and values into
-    the cache there, each attending to the cache's positions up to its own. One function serves the
-    prefill (T = S, start 0) and each decode step (T = 1): it runs each Block.__call__ with a cache
-    function, so training's code and decoding's cannot drift apart. Returns the last block's output."""
+    """Run tokens_T at positions start..start+T-1 through the blocks, writing their keys and values
+    into the cache there; each attends to the cache's positions up to its own. Serves the prefill
+    (T = S, start 0) and each decode step (T = 1) by running Block.__call__ with a cache function,
+    so training and decoding cannot drift apart. Returns the last block's output."""
     pos_T = start + jnp.arange(tokens_T.shape[0])
-    # Positions past the newest are stale or empty, earlier ones are this sequence's past: a causal
-    # mask by position. (Not is_causal: it aligns queries to keys from position 0, true only in prefill.)
+    # Later positions are stale or empty, earlier ones this sequence's past: a causal mask by
+    # position (not is_causal, which aligns queries to keys from 0: true only in the prefill).
     mask_TS = jnp.arange(cache.k_LSHK.shape[1])[None, :] <= pos_T[:, None]
+    rope_TK2 = model.rope(pos_T)
     params, static = eqx.partition(model.blocks, eqx.is_array)
 
     def layer(x_TD, inputs):
@@ -57,33 +60,36 @@ def extend(model: GPT, cache: Cache, tokens_T: jax.Array, start) -> tuple[jax.Ar
         written = []
 
         def write(k_THK, v_THK):  # this layer's keys and values into its cache at `start`
-            written.extend(jax.lax.dynamic_update_slice_in_dim(c, new, start, axis=0) for c, new in
-                           ((k_SHK, k_THK), (v_SHK, v_THK)))
+            for c, new in ((k_SHK, k_THK), (v_SHK, v_THK)):
+                written.append(jax.lax.dynamic_update_slice_in_dim(c, new, start, axis=0))
             return *written, mask_TS
 
-        return eqx.combine(block_params, static)(x_TD, pos_T, write), tuple(written)
+        return eqx.combine(block_params, static)(x_TD, rope_TK2, write), tuple(written)
 
-    # Not unrolled (model.unroll is for training): generate holds three of these scans, and train.py's
-    # preview compiles generate in every run, where unrolling 4 layers cost ~0.8 s of compile time.
+    # Not unrolled (model.unroll is for training): generate holds three of these scans, and
+    # train.py's preview compiles generate in every run, so unrolling would lengthen every run's
+    # compilation for a preview's few tokens (BENCHMARKS.md, the quickstart).
     x_TD, (k_LSHK, v_LSHK) = jax.lax.scan(layer, model.embed(tokens_T), (params, *cache))
     return x_TD, Cache(k_LSHK, v_LSHK)
 
 
-def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: int, top_p: float) -> jax.Array:
-    """One token: argmax at temperature 0, else a draw from softmax(logits / temperature) restricted to
-    the top_k most likely tokens (0: all) and then to the smallest set holding top_p of the mass.
-    The temperature is traced (no recompilation per value); top_k and top_p shape the computation."""
+def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: int,
+         top_p: float) -> jax.Array:
+    """One token: argmax at temperature 0, else a draw from softmax(logits / temperature) among the
+    top_k likeliest tokens (0: all), then the smallest set holding top_p of the mass. The
+    temperature is traced (no recompilation per value); top_k and top_p shape the program."""
     # The model pads its vocabulary (cfg.vocab_multiple); the padding rows are untrained ids the
     # tokenizer cannot decode.
     valid_V = jnp.arange(logits_V.shape[0]) < n_vocab
     greedy = jnp.argmax(jnp.where(valid_V, logits_V, -jnp.inf))
-    # shifted to max 0 first, masked after: a tiny temperature then gives -inf, a huge one 0, never inf - inf
+    # shifted to max 0, then masked: a tiny temperature gives -inf, a huge one 0, never inf - inf
     scaled_V = (logits_V - logits_V[greedy]) / jnp.where(temperature > 0, temperature, 1.0)
     logits_V = jnp.where(valid_V, scaled_V, -jnp.inf)
     if top_k:
         kth = jax.lax.top_k(logits_V, min(top_k, n_vocab))[0][-1]
         logits_V = jnp.where(logits_V < kth, -jnp.inf, logits_V)
-    if top_p < 1:  # nucleus sampling (Holtzman et al. 2020): keep a token if the mass before it is < top_p
+    # nucleus sampling (Holtzman et al. 2020): keep a token if the mass before it is < top_p
+    if top_p < 1:
         sorted_V = jnp.sort(logits_V)[::-1]
         probs_V = jax.nn.softmax(sorted_V)
         n_keep = jnp.sum(jnp.cumsum(probs_V) - probs_V < top_p)
@@ -91,29 +97,34 @@ def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: 
     return jnp.where(temperature > 0, jax.random.categorical(key, logits_V), greedy)
 
 
-@eqx.filter_jit  # not jax.jit: a model with tied embeddings holds a non-array leaf (eqx.nn.Shared)
-def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.Array, *, num_samples: int,
-             max_new_tokens: int, n_vocab: int, top_k: int = 0, top_p: float = 1.0) -> jax.Array:
-    """(num_samples, max_new_tokens) tokens following the prompt: prompt_S is its tokens padded with -1
-    to the cache length S (prompt_window), so one compilation serves every prompt length; key and
-    temperature are traced arrays too (a Python float would be compiled in). The prompt is shared, so
-    it is prefilled once and its cache copied to every sample; then a lax.scan, one token per step,
-    with the batch added by jax.vmap around the per-sequence extend (as train.py adds it around the
-    model). Sample b's step i draws with fold_in(fold_in(key, b), i): a sample does not depend on how
-    many others are drawn with it."""
+# not jax.jit: a model with tied embeddings holds a non-array leaf (eqx.nn.Shared)
+@eqx.filter_jit
+def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.Array, *,
+             num_samples: int, max_new_tokens: int, n_vocab: int, top_k: int = 0,
+             top_p: float = 1.0) -> jax.Array:
+    """(num_samples, max_new_tokens) tokens following the prompt: prompt_S is its tokens padded
+    with -1 to the cache length S (prompt_window), so one compilation serves every prompt length;
+    key and temperature are traced arrays too (a Python float would be compiled in). The shared
+    prompt is prefilled once and its cache copied to every sample; then a lax.scan, one token a
+    step, the batch added by jax.vmap around extend. Sample b's step i draws with
+    fold_in(fold_in(key, b), i), so a sample does not depend on how many others are drawn."""
     S, B = prompt_S.shape[0], num_samples
     n_prompt, prompt_S = jnp.sum(prompt_S >= 0), jnp.maximum(prompt_S, 0)
     keep = S // 2  # tokens kept when the window slides
     sample_keys_B = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
-    pick_B = jax.vmap(partial(pick, n_vocab=n_vocab, top_k=top_k, top_p=top_p), in_axes=(0, 0, None))
-    draw = lambda logits_BV, i: pick_B(logits_BV, jax.vmap(jax.random.fold_in, (0, None))(sample_keys_B, i), temperature)
+    pick_B = jax.vmap(partial(pick, n_vocab=n_vocab, top_k=top_k, top_p=top_p), (0, 0, None))
+
+    def draw(logits_BV, i):
+        keys_B = jax.vmap(jax.random.fold_in, (0, None))(sample_keys_B, i)
+        return pick_B(logits_BV, keys_B, temperature)
+
     extend_B = jax.vmap(extend, in_axes=(None, 0, 0, None))
 
     x_SD, cache = extend(model, empty_cache(model, S), prompt_S, 0)
     logits_V = model.logits(jax.lax.dynamic_slice_in_dim(x_SD, n_prompt - 1, 1))[0]
     first_B = draw(jnp.broadcast_to(logits_V, (B, *logits_V.shape)), 0)
     cache_B = jax.tree.map(lambda c: jnp.broadcast_to(c, (B, *c.shape)), cache)
-    window_BS = jnp.broadcast_to(prompt_S, (B, S))  # the tokens whose keys and values the cache holds
+    window_BS = jnp.broadcast_to(prompt_S, (B, S))  # the tokens whose keys the cache holds
 
     def slide(cache_B, window_BS):
         window_BS = jnp.roll(window_BS, keep - S, axis=1)  # the last `keep` tokens to the front
@@ -122,10 +133,11 @@ def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.A
         return extend_B(model, cache_B, window_BS, 0)[1], window_BS, jnp.int32(keep)
 
     def step(carry, i):
-        cache_B, window_BS, token_B, pos = carry  # token_B is the newest token, not yet in the cache
-        # pos is one number for all samples (they share the prompt), so this cond is a real branch, not a
-        # select that would run the slide's prefill at every step.
-        cache_B, window_BS, pos = jax.lax.cond(pos == S, slide, lambda c, w: (c, w, pos), cache_B, window_BS)
+        cache_B, window_BS, token_B, pos = carry  # token_B: the newest, not yet in the cache
+        # pos is one number for all samples (they share the prompt), so this cond is a real branch,
+        # not a select that would run the slide's prefill at every step.
+        unchanged = lambda c, w: (c, w, pos)
+        cache_B, window_BS, pos = jax.lax.cond(pos == S, slide, unchanged, cache_B, window_BS)
         window_BS = jax.lax.dynamic_update_slice_in_dim(window_BS, token_B[:, None], pos, axis=1)
         x_B1D, cache_B = extend_B(model, cache_B, token_B[:, None], pos)
         token_B = draw(jax.vmap(model.logits)(x_B1D)[:, 0], i)
@@ -144,24 +156,26 @@ def prompt_window(prompt: list[int], S: int) -> jax.Array:
 
 
 def preview(model: GPT, cfg: Config, prompt: list[int], n: int = 128) -> str:
-    """One short sample for the training log (train.py writes one at each evaluation): the prompt and n
-    tokens at temperature 1, drawn with the same key every time, so successive ones show what training
-    changed."""
+    """One short sample for the training log (train.py writes one at each evaluation): the prompt
+    and n tokens at temperature 1, drawn with the same key every time, so successive ones show what
+    training changed."""
     meta = data.read_meta(cfg)
-    tokens_1N = generate(model, prompt_window(prompt, cfg.block_size), jax.random.key(cfg.seed), jnp.float32(1.0),
+    prompt_S = prompt_window(prompt, cfg.block_size)
+    tokens_1N = generate(model, prompt_S, jax.random.key(cfg.seed), jnp.float32(1.0),
                          num_samples=1, max_new_tokens=n, n_vocab=meta["vocab_size"])
     return tokenizer(meta)[1](prompt + jax.device_get(tokens_1N)[0].tolist())
 
 
 def tokenizer(meta: dict):
-    """(encode, decode) between text and token ids, as the tokenizer entry of a dataset's meta.json says."""
+    """(encode, decode) between text and token ids, as a dataset's meta.json says."""
     tok = meta["tokenizer"]
     if tok["kind"] == "char":
         index = {c: i for i, c in enumerate(tok["chars"])}
 
         def encode(text: str) -> list[int]:
             if unknown := sorted(set(text) - index.keys()):
-                raise UsageError(f"characters {''.join(unknown)!r} are not in the dataset's vocabulary")
+                unknown = "".join(unknown)
+                raise UsageError(f"characters {unknown!r} are not in the dataset's vocabulary")
             return [index[c] for c in text]
 
         return encode, lambda ids: "".join(tok["chars"][i] for i in ids)
@@ -170,7 +184,8 @@ def tokenizer(meta: dict):
 
 
 def read_dataset_record(rundir: epath.Path, cfg: Config) -> dict:
-    """launch.py's copy of the dataset's meta.json (for runs before it, or with it unreadable: the dataset's own)."""
+    """launch.py's copy of the dataset's meta.json (for runs before it, or with it unreadable:
+    the dataset's own)."""
     try:
         return json.loads((rundir / "dataset.json").read_text())
     except (OSError, ValueError):
@@ -178,15 +193,15 @@ def read_dataset_record(rundir: epath.Path, cfg: Config) -> dict:
 
 
 def read_config(rundir: epath.Path) -> Config:
-    """The run's resolved config (launch.py wrote config.json); fields it lacks take today's defaults."""
+    """The run's resolved config (launch.py's config.json); missing fields get today's defaults."""
     if not rundir.is_dir():
         raise UsageError(f"no run directory {rundir}")
     if not (rundir / "config.json").exists():
         raise UsageError(f"{rundir} holds no run: it has no config.json")
     saved = json.loads((rundir / "config.json").read_text())
-    unknown = sorted(set(saved) - set(Config.__dataclass_fields__))
-    if unknown:
-        raise UsageError(f"{rundir}/config.json has fields this code does not know ({', '.join(unknown)}): "
+    if unknown := sorted(set(saved) - set(Config.__dataclass_fields__)):
+        fields = ", ".join(unknown)
+        raise UsageError(f"{rundir}/config.json has fields this code does not know ({fields}): "
                          f"a run of another version of mugpt")
     return Config(**saved)
 
@@ -201,10 +216,11 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
     mngr = checkpoint.checkpoint_manager(rundir, cfg, read_only=True)
     steps = sorted(mngr.all_steps())
     if not steps:
-        raise UsageError(f"{rundir} has no checkpoint yet (training writes one every ckpt_interval={cfg.ckpt_interval} "
-                         f"steps and at the end)")
+        raise UsageError(f"{rundir} has no checkpoint yet (training writes one every "
+                         f"ckpt_interval={cfg.ckpt_interval} steps and at the end)")
     if step is not None and step not in steps:
-        raise UsageError(f"--step={step}: {rundir} has checkpoints of steps {', '.join(map(str, steps))} only")
+        have = ", ".join(map(str, steps))
+        raise UsageError(f"--step={step}: {rundir} has checkpoints of steps {have} only")
     step = steps[-1] if step is None else step
     placeholders = init_gpt(cfg, jax.random.key(0))  # on the default device; replaced
     return checkpoint.restore_model(mngr, placeholders, step), step
@@ -214,37 +230,48 @@ def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
         path = Path(start[len("FILE:"):])
         if not path.is_file():
-            raise UsageError(f"--start=FILE:{path}: {'a directory' if path.is_dir() else 'no such file'}")
+            what = "a directory" if path.is_dir() else "no such file"
+            raise UsageError(f"--start=FILE:{path}: {what}")
         try:
             start = path.read_text()
         except UnicodeDecodeError:
             raise UsageError(f"--start=FILE:{path} is not UTF-8 text") from None
     if not start:
-        raise UsageError("the prompt is empty: pass --start=TEXT (a newline, say) or --start=FILE:path")
+        raise UsageError("the prompt is empty: pass --start=TEXT (a newline, say) or "
+                         "--start=FILE:path")
     return start
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rundir", required=True, help="a run directory written by launch.py")
     ap.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
-    ap.add_argument("--start", default="\n", help="the prompt, or FILE:path to read it from a file (default a newline); "
-                                                  "of a prompt longer than block_size, the last block_size tokens are kept")
+    ap.add_argument("--start", default="\n",
+                    help="the prompt, or FILE:path to read it from a file (default a newline); "
+                         "of a prompt longer than block_size, the last block_size tokens are kept")
     ap.add_argument("--num_samples", type=int, default=3)
     ap.add_argument("--max_new_tokens", type=int, default=500,
-                    help="tokens to generate per sample; past block_size the window slides by block_size // 2")
+                    help="tokens to generate per sample; "
+                         "past block_size the window slides by block_size // 2")
     ap.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
-    ap.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens only (0: all)")
-    ap.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens holding this mass")
+    ap.add_argument("--top_k", type=int, default=0,
+                    help="sample among the k most likely tokens only (0: all)")
+    ap.add_argument("--top_p", type=float, default=1.0,
+                    help="nucleus sampling: the smallest set of tokens holding this mass")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    for name, ok, need in (("num_samples", args.num_samples >= 1, "at least 1"),
-                           ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
-                           ("temperature", 0 <= args.temperature < float("inf"), "finite and at least 0 (0: greedy)"),
-                           ("top_k", args.top_k >= 0, "at least 0 (0: off)"), ("top_p", 0 < args.top_p <= 1, "in (0, 1]")):
+    checks = (
+        ("num_samples", args.num_samples >= 1, "at least 1"),
+        ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
+        ("temperature", 0 <= args.temperature < float("inf"), "finite and at least 0 (0: greedy)"),
+        ("top_k", args.top_k >= 0, "at least 0 (0: off)"),
+        ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
+    )
+    for name, ok, need in checks:
         if not ok:
             raise UsageError(f"--{name}={getattr(args, name)} must be {need}")
 
@@ -258,24 +285,29 @@ def main(argv: list[str] | None = None) -> None:
         encode, decode = tokenizer(meta := read_dataset_record(rundir, cfg))
         prompt = encode(read_prompt(args.start))
         if len(prompt) > cfg.block_size:
-            print(f"note: the prompt has {len(prompt)} tokens; keeping its last block_size={cfg.block_size}", file=sys.stderr)
+            print(f"note: the prompt has {len(prompt)} tokens; "
+                  f"keeping its last block_size={cfg.block_size}", file=sys.stderr)
         model, step = restore_model(rundir, cfg, args.step)
     except UsageError as e:
         sys.exit(f"error: {e}")
     prompt = prompt[-cfg.block_size:]
-    inputs = (model, prompt_window(prompt, cfg.block_size), jax.random.key(args.seed), jnp.float32(args.temperature))
-    settings = dict(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens, n_vocab=meta["vocab_size"],
-                    top_k=args.top_k, top_p=args.top_p)
+    inputs = (model, prompt_window(prompt, cfg.block_size), jax.random.key(args.seed),
+              jnp.float32(args.temperature))
+    settings = dict(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                    n_vocab=meta["vocab_size"], top_k=args.top_k, top_p=args.top_p)
     t0 = time.perf_counter()
     compiled = generate.lower(*inputs, **settings).compile()
     t1 = time.perf_counter()
     tokens_BN = jax.device_get(compiled(*inputs, **settings))
     t2 = time.perf_counter()
     for tokens_N in tokens_BN:
-        print(decode(prompt + tokens_N.tolist()))  # decoded together: a BPE character may span the two
+        print(decode(prompt + tokens_N.tolist()))  # together: a BPE character may span the two
         print("-" * 40)
-    print(f"{rundir} step {step}: {tokens_BN.size} tokens ({args.num_samples} x {args.max_new_tokens}) in {t2 - t1:.2f} s: "
-          f"{tokens_BN.size / (t2 - t1):,.0f} tokens/s on {jax.devices()[0].device_kind} (compilation, {t1 - t0:.1f} s, not counted)")
+    seconds, device = t2 - t1, jax.devices()[0].device_kind
+    print(f"{rundir} step {step}: {tokens_BN.size} tokens "
+          f"({args.num_samples} x {args.max_new_tokens}) in {seconds:.2f} s: "
+          f"{tokens_BN.size / seconds:,.0f} tokens/s on {device} "
+          f"(compilation, {t1 - t0:.1f} s, not counted)")
 
 
 if __name__ == "__main__":

@@ -11,16 +11,17 @@ from typing import Literal
 
 
 class UsageError(ValueError):
-    """Bad user input (config, data, run directory): printed as one line, and the exit code is 1."""
+    """Bad user input (config, data, run directory): printed as one line; the exit code is 1."""
 
 
 class RunError(RuntimeError):
-    """A run that cannot go on (non-finite steps, a failed checkpoint save): printed as one line."""
+    """A run that cannot go on (non-finite steps, a failed checkpoint save): one printed line."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    # data: <data_root>/<dataset>/{train,val}.bin and meta.json, written by `python data.py <dataset>`
+    # data: <data_root>/<dataset>/{train,val}.bin and meta.json, written by
+    # `python data.py <dataset>`
     dataset: str = "openwebtext"
     data_root: str = "data"  # relative paths are relative to the repo
     vocab_size: int = 50257  # the tokenizer's; the model pads it to a multiple of vocab_multiple
@@ -33,30 +34,35 @@ class Config:
     mlp_ratio: float = 4.0  # F = round(mlp_ratio * D): 4 for GELU, 8/3 keeps a gated MLP's size
     block_size: int = 1024
     tie_embeddings: bool = False
-    norm_gain: bool = False  # learned RMSNorm gains; off by default: they break muP transfer (Lingle 2024)
+    # learned RMSNorm gains; off by default: they break muP transfer (Lingle 2024)
+    norm_gain: bool = False
     rope_base: float = 10000.0
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameters always stay float32
     remat: Literal["none", "full", "save_dots"] = "none"  # what the backward pass recomputes
     scan_unroll: int = 1  # layers per scan iteration; >1 trades compile time for speed
-    # groups of sequences the readout and loss take one at a time (train.loss_fn): >1 keeps the float32
-    # (B, T, V) logits from existing whole, for one more readout matmul forward
+    # groups of sequences the readout and loss take one at a time (train.loss_fn): >1 keeps the
+    # float32 (B, T, V) logits from existing whole, for one more readout matmul forward
     loss_chunks: int = 1
-    # fused kernels on a GPU (cuDNN attention, kernels.py's QK-norm + RoPE): each is checked against
-    # model.py's own function when a run starts and set aside, with a printed line, if they differ.
+    # fast paths on a GPU (cuDNN attention, kernels.py's QK-norm + RoPE, and its recomputing GELU
+    # where the layers are unrolled): each is checked against model.py's own function when a run
+    # starts and set aside, with a printed line, if they differ.
     # false: model.py's functions alone, everywhere
     kernels: bool = True
 
-    # parametrization: "mup" is the Maximal Update Parametrization (Tensor Programs V, Yang et al. 2022,
-    # arXiv 2203.03466) with CompleteP's depth rules (Dey et al. 2025, arXiv 2505.01618): LRs tuned at
-    # d_model = d_base and n_layer = depth_base transfer to other widths and depths; there muP equals SP.
-    # The rules are rows of model.policy_rows and static fields set in model.init_gpt.
+    # parametrization: "mup" is the Maximal Update Parametrization (Tensor Programs V, Yang et al.
+    # 2022, arXiv 2203.03466) with CompleteP's depth rules (Dey et al. 2025, arXiv 2505.01618):
+    # LRs tuned at d_model = d_base and n_layer = depth_base transfer to other widths and depths;
+    # there muP equals SP. The rules are rows of model.policy_rows and static fields set in
+    # model.init_gpt.
     param: Literal["sp", "mup"] = "sp"
     d_base: int = 768  # the width at which muP equals SP (width_mult = d_model / d_base)
-    depth_base: int = 12  # the depth at which CompleteP's residual branch scale depth_base / n_layer is 1
+    # the depth at which CompleteP's residual branch scale depth_base / n_layer is 1
+    depth_base: int = 12
     alpha_in: float = 1.0  # embedding output multiplier (tunable at the base shape, transfers)
     alpha_out: float = 1.0  # readout multiplier; muP divides it by width_mult
     # muP's attention logits are attn_tau / head_dim (TP5: q and k become correlated in training);
-    # 8 = sqrt(64) equals SP's 1 / sqrt(head_dim) for 64-dim heads. head_dim stays fixed as width grows.
+    # 8 = sqrt(64) equals SP's 1 / sqrt(head_dim) for 64-dim heads. head_dim stays fixed as width
+    # grows.
     attn_tau: float = 8.0
 
     # optimisation: AdamW, linear warmup then cosine decay to min_lr at max_steps
@@ -80,30 +86,35 @@ class Config:
     log_interval: int = 10  # steps between host syncs for the progress bar and tensorboard
     seed: int = 0
 
-    # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes; replicas run
-    # across hosts (or TPU slices) first, fsdp within them (train.make_mesh)
+    # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes;
+    # replicas run across hosts (or TPU slices) first, fsdp within them (train.make_mesh)
     mesh_replica: int = 1  # devices on the replica axis; the rest go to fsdp
 
     # checkpoints in RUNDIR/checkpoints (orbax); launching again with the same --rundir resumes
-    ckpt_interval: int = 1000  # steps between checkpoints; one is also written at the end and on SIGTERM/SIGINT
+    # steps between checkpoints; one is also written at the end and on SIGTERM/SIGINT
+    ckpt_interval: int = 1000
     ckpt_keep: int = 3  # the latest checkpoints kept on disk; older ones are deleted
-    # A step with a non-finite loss, gradient or update is skipped (the state stays as it was); this
-    # many in a row stop the run: the model has diverged and skipping will not bring it back.
+    # A step with a non-finite loss, gradient or update is skipped (the state stays as it was);
+    # this many in a row stop the run: the model has diverged and skipping will not bring it back.
     max_nonfinite: int = 10
 
     def __post_init__(self):
-        """Each field's type, as a config module may set any value: param="muP" or tie_embeddings="false" would
-        otherwise train another model than config.json says, and "fp16" fail deep inside JAX."""
+        """Each field's type, as a config module may set any value: param="muP" or
+        tie_embeddings="false" would otherwise train another model than config.json says, and
+        "fp16" fail deep inside JAX."""
         for name, kind in typing.get_type_hints(Config).items():
             value, allowed = getattr(self, name), typing.get_args(kind)
             if typing.get_origin(kind) is Literal and value not in allowed:
-                raise UsageError(f"{name}={value!r}: allowed values are {', '.join(map(repr, allowed))}")
-            wrong = {bool: not isinstance(value, bool), str: not isinstance(value, str),  # float: mup.py passes tracers
+                names = ", ".join(map(repr, allowed))
+                raise UsageError(f"{name}={value!r}: allowed values are {names}")
+            # float is checked loosely: mup.py passes tracers
+            wrong = {bool: not isinstance(value, bool), str: not isinstance(value, str),
                      int: isinstance(value, bool) or not hasattr(value, "__index__"),
                      float: value is None or isinstance(value, (bool, str))}
-            if wrong.get(kind, False):  # a field of another type (a user's float | None, say) is the user's to check
-                need = {bool: "true or false", str: "a string", int: "an integer"}.get(kind, "a number")
-                raise UsageError(f"{name}={value!r} must be {need}")
+            # a field of another type (a user's float | None, say) is the user's to check
+            if wrong.get(kind, False):
+                needs = {bool: "true or false", str: "a string", int: "an integer"}
+                raise UsageError(f"{name}={value!r} must be {needs.get(kind, 'a number')}")
 
     @property
     def head_dim(self) -> int:
@@ -119,18 +130,23 @@ class Config:
 
     @property
     def width_mult(self) -> float:
-        """m = d_model / d_base under muP, 1 under SP: hidden-matrix LRs are lr / m, the readout alpha_out / m."""
+        """m = d_model / d_base under muP, 1 under SP: hidden-matrix LRs are lr / m, the readout
+        alpha_out / m."""
         return self.d_model / self.d_base if self.param == "mup" else 1.0
 
     @property
     def depth_mult(self) -> float:
-        """n_layer / depth_base under muP (CompleteP), 1 under SP: residual branches are scaled by its inverse."""
+        """n_layer / depth_base under muP (CompleteP), 1 under SP: residual branches are scaled by
+        its inverse."""
         return self.n_layer / self.depth_base if self.param == "mup" else 1.0
 
     @property
     def attn_scale(self) -> float:
-        """The attention logit multiplier: attn_tau / head_dim under muP, 1 / sqrt(head_dim) under SP."""
-        return self.attn_tau / self.head_dim if self.param == "mup" else 1 / math.sqrt(self.head_dim)
+        """The attention logit multiplier: attn_tau / head_dim under muP, 1 / sqrt(head_dim)
+        under SP."""
+        if self.param == "mup":
+            return self.attn_tau / self.head_dim
+        return 1 / math.sqrt(self.head_dim)
 
     @property
     def microbatch_size(self) -> int:
@@ -146,44 +162,66 @@ class Config:
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
         fsdp = max(n_devices // self.mesh_replica, 1)  # mesh_replica > n_devices is reported below
+        finite = ("rope_base", "alpha_in", "alpha_out", "attn_tau", "mlp_ratio")
         problems = [
-            (self.d_model % self.n_head, f"d_model={self.d_model} is not divisible by n_head={self.n_head}"),
-            (self.head_dim % 2, f"head_dim={self.head_dim} (d_model/n_head) is odd; RoPE rotates pairs, so pick an even one"),
-            (n_devices % self.mesh_replica, f"mesh_replica={self.mesh_replica} does not divide the {n_devices} devices"),
+            (self.d_model % self.n_head,
+             f"d_model={self.d_model} is not divisible by n_head={self.n_head}"),
+            (self.head_dim % 2,
+             f"head_dim={self.head_dim} (d_model/n_head) is odd; "
+             f"RoPE rotates pairs, so pick an even one"),
+            (n_devices % self.mesh_replica,
+             f"mesh_replica={self.mesh_replica} does not divide the {n_devices} devices"),
             (self.batch_size % (n_devices * self.grad_accum),
-             f"batch_size={self.batch_size} is not divisible by devices x grad_accum = {n_devices} x {self.grad_accum}"),
-            (self.d_model % fsdp, f"d_model={self.d_model} is not divisible by the fsdp axis size {fsdp}; set mesh_replica"),
+             f"batch_size={self.batch_size} is not divisible by devices x grad_accum = "
+             f"{n_devices} x {self.grad_accum}"),
+            (self.d_model % fsdp,
+             f"d_model={self.d_model} is not divisible by the fsdp axis size {fsdp}; "
+             f"set mesh_replica"),
             (self.microbatch_size % self.loss_chunks,
-             f"loss_chunks={self.loss_chunks} does not divide the {self.microbatch_size} sequences of a microbatch"),
-            # the train step skips non-finite losses and gradients only: an update must be finite when they are
+             f"loss_chunks={self.loss_chunks} does not divide the {self.microbatch_size} "
+             f"sequences of a microbatch"),
+            # the train step skips non-finite losses and gradients only: an update must be finite
+            # when they are
             (not (0 < self.learning_rate < 3e38 and 0 <= self.min_lr < 3e38),
-             f"learning_rate={self.learning_rate} and min_lr={self.min_lr} must be finite in float32, learning_rate > 0"),
-            (not 0 <= self.weight_decay < 3e38, f"weight_decay={self.weight_decay} must be finite and >= 0"),
-            (not self.adam_eps > 0, f"adam_eps={self.adam_eps} must be > 0: Adam divides by sqrt(v) + eps"),
-            (not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1), f"beta1={self.beta1} and beta2={self.beta2} must be in [0, 1)"),
-            (self.min_lr > self.learning_rate, f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: the cosine decays to it"),
-            (self.warmup_steps < 0, f"warmup_steps={self.warmup_steps} must be >= 0"),  # above max_steps is allowed: a smoke run
-            (not 0 <= self.grad_clip < 3e38, f"grad_clip={self.grad_clip} must be finite and >= 0 (0: no clipping)"),
-            # finite as a Python float: 1e39 (inf in float32) is how a test makes every loss non-finite
-            *((not 0 < getattr(self, f) < math.inf, f"{f}={getattr(self, f)} must be > 0 and finite")
-              for f in ("rope_base", "alpha_in", "alpha_out", "attn_tau", "mlp_ratio")),
+             f"learning_rate={self.learning_rate} and min_lr={self.min_lr} must be finite in "
+             f"float32, learning_rate > 0"),
+            (not 0 <= self.weight_decay < 3e38,
+             f"weight_decay={self.weight_decay} must be finite and >= 0"),
+            (not self.adam_eps > 0,
+             f"adam_eps={self.adam_eps} must be > 0: Adam divides by sqrt(v) + eps"),
+            (not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1),
+             f"beta1={self.beta1} and beta2={self.beta2} must be in [0, 1)"),
+            (self.min_lr > self.learning_rate,
+             f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: "
+             f"the cosine decays to it"),
+            # above max_steps is allowed: a smoke run
+            (self.warmup_steps < 0, f"warmup_steps={self.warmup_steps} must be >= 0"),
+            (not 0 <= self.grad_clip < 3e38,
+             f"grad_clip={self.grad_clip} must be finite and >= 0 (0: no clipping)"),
+            # finite as a Python float: 1e39 (inf in float32) is how a test makes every loss
+            # non-finite
+            *((not 0 < getattr(self, f) < math.inf,
+               f"{f}={getattr(self, f)} must be > 0 and finite") for f in finite),
             (0 < self.mlp_ratio < math.inf and self.mlp_width < 1,
              f"mlp_ratio={self.mlp_ratio} x d_model={self.d_model} rounds to an MLP width of 0"),
             (self.seed < 0, f"seed={self.seed} must be >= 0"),
-            (not self.dataset, f"dataset is empty: name a folder of {self.data_root}/ (`python data.py NAME` makes one)"),
+            (not self.dataset,
+             f"dataset is empty: name a folder of {self.data_root}/ "
+             f"(`python data.py NAME` makes one)"),
         ]
         for bad, message in problems:
             if bad:
                 raise UsageError(message)
 
 
-# The fields a resumed run may change (launch.py compares every other one with the run's config.json):
-# how long it goes on, what it logs and evaluates, how it checkpoints, where the data lives and how the
-# same step is laid out and computed (a run resumed on fewer devices may need more microbatches to fit;
-# grad_accum also sizes evaluation's batches). Anything else would make the checkpoint another run's.
-RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval", "ckpt_keep",
-             "max_nonfinite", "mesh_replica", "remat", "scan_unroll", "grad_accum", "loss_chunks",
-             "data_root", "kernels")
+# The fields a resumed run may change (launch.py compares every other one with the run's
+# config.json): how long it goes on, what it logs and evaluates, how it checkpoints, where the data
+# lives and how the same step is laid out and computed (a run resumed on fewer devices may need
+# more microbatches to fit; grad_accum also sizes evaluation's batches). Anything else would make
+# the checkpoint another run's.
+RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval",
+             "ckpt_keep", "max_nonfinite", "mesh_replica", "remat", "scan_unroll", "grad_accum",
+             "loss_chunks", "data_root", "kernels")
 
 
 def available() -> list[str]:
@@ -191,16 +229,23 @@ def available() -> list[str]:
 
 
 def load(name: str) -> Config:
-    """The `config` object of configs/<name>.py; a module that fails is one line naming the file."""
+    """The `config` of configs/<name>.py; a module that fails is one line naming the file."""
     if name not in available():
-        hint = f"--config={name[:-3]}" if name.endswith(".py") else f"available: {', '.join(available())}"
+        if name.endswith(".py"):
+            hint = f"--config={name[:-3]}"
+        else:
+            hint = f"available: {', '.join(available())}"
         raise UsageError(f"unknown config {name!r}; {hint}")
     try:
         config = importlib.import_module(f"configs.{name}").config
-    except Exception as e:  # a syntax error, an unknown field, a bad value: the user's module, not mugpt
-        raise UsageError(f"configs/{name}.py: {e if isinstance(e, UsageError) else f'{type(e).__name__}: {e}'}") from None
+    except Exception as e:
+        # a syntax error, an unknown field, a bad value: the user's module, not mugpt
+        why = e if isinstance(e, UsageError) else f"{type(e).__name__}: {e}"
+        raise UsageError(f"configs/{name}.py: {why}") from None
     if not isinstance(config, Config):
-        raise UsageError(f"configs/{name}.py: `config` is a {type(config).__name__}, not a Config: write config = Config(...)")
+        kind = type(config).__name__
+        raise UsageError(f"configs/{name}.py: `config` is a {kind}, not a Config: "
+                         f"write config = Config(...)")
     return config
 
 
@@ -208,14 +253,16 @@ def parse_value(name: str, kind, text: str):
     """text as the field's type: int, float, bool, str, or one of a Literal's values."""
     if typing.get_origin(kind) is typing.Literal:
         if text not in typing.get_args(kind):
-            raise UsageError(f"--config.{name}={text!r}: allowed values are {', '.join(typing.get_args(kind))}")
+            allowed = ", ".join(typing.get_args(kind))
+            raise UsageError(f"--config.{name}={text!r}: allowed values are {allowed}")
         return text
     if kind is bool:
         if text.lower() not in ("true", "false", "1", "0"):
             raise UsageError(f"--config.{name}={text!r}: expected true or false")
         return text.lower() in ("true", "1")
     if kind not in (int, float, str):
-        raise UsageError(f"--config.{name}: a field of type {kind} is set in a config module, not on the command line")
+        raise UsageError(f"--config.{name}: a field of type {kind} is set in a config module, "
+                         f"not on the command line")
     try:
         return kind(text)
     except ValueError:
@@ -223,16 +270,21 @@ def parse_value(name: str, kind, text: str):
 
 
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """Apply ["--config.FIELD=VALUE", ...]; an unknown field or a badly typed value is a UsageError."""
+    """Apply ["--config.FIELD=VALUE", ...]; an unknown field or a badly typed value is a
+    UsageError."""
     types = typing.get_type_hints(Config)
     changes = {}
     for arg in overrides:
         if not arg.startswith("--config.") or "=" not in arg:
-            raise UsageError(f"unrecognised argument {arg!r} (see --help); overrides look like --config.FIELD=VALUE")
+            raise UsageError(f"unrecognised argument {arg!r} (see --help); "
+                             f"overrides look like --config.FIELD=VALUE")
         name, text = arg[len("--config."):].split("=", 1)
         if name not in types:
             near = difflib.get_close_matches(name, types, n=3)
-            raise UsageError(f"unknown config field {name!r}" + (f"; did you mean {' or '.join(near)}?" if near else
-                                                                   "; the fields are in configs/__init__.py"))
+            if near:
+                hint = f"; did you mean {' or '.join(near)}?"
+            else:
+                hint = "; the fields are in configs/__init__.py"
+            raise UsageError(f"unknown config field {name!r}" + hint)
         changes[name] = parse_value(name, types[name], text)
     return dataclasses.replace(cfg, **changes)

@@ -12,7 +12,6 @@ import glob
 import hashlib
 import itertools
 import json
-import math
 import os
 import re
 import urllib.request
@@ -38,27 +37,24 @@ def data_dir(cfg: Config) -> Path:
 
 
 def write_dataset(out: Path, splits: dict, vocab_size: int, tokenizer: dict) -> None:
-    """Write {split}.bin from each split's chunks of token ids, one chunk in memory at a time
-    (openwebtext's 9B ids as int64 are 72 GB), then meta.json: removed first and written last,
-    so a dataset cut off halfway has none and load_split refuses it."""
+    """Write {split}.bin a chunk of ids at a time (openwebtext's 9B ids as int64 are 72 GB), then
+    meta.json: removed first and written last, so a write cut off halfway leaves no dataset."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
-    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
-    counts = {}
+    dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+    meta = {"vocab_size": vocab_size, "dtype": dtype.name}
     for split, chunks in splits.items():
-        counts[f"{split}_tokens"] = 0
+        meta[f"{split}_tokens"] = 0
         # Written aside, then renamed: a reader's memmap keeps the old inode (not a SIGBUS).
-        tmp = out / f"{split}.bin.tmp"
-        with open(tmp, "wb") as f:
+        with open(out / f"{split}.bin.tmp", "wb") as f:
             for chunk in map(np.asarray, chunks):
                 assert chunk.size == 0 or 0 <= int(chunk.min()) <= int(chunk.max()) < vocab_size
                 chunk.astype(dtype).tofile(f)
-                counts[f"{split}_tokens"] += chunk.size
-        os.replace(tmp, out / f"{split}.bin")
-    meta = {"vocab_size": vocab_size, "dtype": np.dtype(dtype).name, **counts,
-            "tokenizer": tokenizer}
+                meta[f"{split}_tokens"] += chunk.size
+        os.replace(f.name, out / f"{split}.bin")
+    meta["tokenizer"] = tokenizer
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    print(f"{out}: {counts['train_tokens']:,} train and {counts['val_tokens']:,} val tokens, "
+    print(f"{out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "
           f"vocab {vocab_size}")
 
 
@@ -85,10 +81,9 @@ def prepare_shakespeare_char(out: Path) -> None:
 
 
 def documents(files: list[str], text_field: str, stamp=None):
-    """{text_field: text} for each document of local files: a record of a .json/.jsonl file
-    (JSON lines: an object a line), a paragraph of any other file (lines up to a blank line).
-    A bad file is a UsageError naming it. `stamp` only keys datasets' cache of the documents:
-    the files' sizes and times, and this code."""
+    """{text_field: text} for each document: a record of a .json/.jsonl file (an object a line),
+    a paragraph of any other file (lines up to a blank line). `stamp` only keys datasets' cache
+    of the documents (the files' sizes and times, and this code)."""
     for name in files:
         n = 0  # the records read, for the error
         try:
@@ -96,9 +91,8 @@ def documents(files: list[str], text_field: str, stamp=None):
                 if Path(name).suffix.lower() in (".json", ".jsonl"):
                     records = map(json.loads, filter(str.strip, f))
                 else:
-                    paragraphs = itertools.groupby(f, str.isspace)
                     records = ({text_field: "".join(p).rstrip("\n")}
-                               for blank, p in paragraphs if not blank)
+                               for blank, p in itertools.groupby(f, str.isspace) if not blank)
                 for n, record in enumerate(records, 1):
                     if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
                         raise UsageError(f"{name}: {str(record)[:60]} has no {text_field!r} text: "
@@ -114,9 +108,8 @@ def documents(files: list[str], text_field: str, stamp=None):
 
 def prepare_text(out: Path, source: str, text_field: str = "text",
                  val_fraction: float | None = None) -> None:
-    """GPT-2 BPE (tiktoken, encode_ordinary + <|endoftext|> after each document) of a HF dataset
-    id or of local files; the shuffled split by documents and shard-wise writing follow nanoGPT's
-    prepare.py."""
+    """GPT-2 BPE (encode_ordinary, then <|endoftext|> after each document) of a HF dataset id or
+    local files, split by shuffled documents as nanoGPT's prepare.py does."""
     import datasets
 
     if val_fraction is not None and not 0 < val_fraction < 1:
@@ -165,11 +158,8 @@ def prepare_text(out: Path, source: str, text_field: str = "text",
     tokens = split.map(lambda row: {"ids": enc.encode_ordinary(row[text_field]) + [enc.eot_token]},
                        remove_columns=ds.column_names, num_proc=nproc, desc="tokenizing")
 
-    # The ids shard by shard (1/1024 of a split), read in turn from datasets' disk cache.
-    def chunks(part):
-        n = min(1024, len(part))
-        shards = (part.shard(n, i, contiguous=True).with_format("numpy") for i in range(n))
-        return (np.concatenate(shard["ids"]) for shard in shards)
+    def chunks(part):  # the ids 8192 documents at a time, read in turn from datasets' disk cache
+        return (np.concatenate(batch["ids"]) for batch in part.with_format("numpy").iter(8192))
 
     splits = {"train": chunks(tokens["train"]), "val": chunks(tokens["test"])}
     write_dataset(out, splits, enc.n_vocab, {"kind": "tiktoken", "encoding": "gpt2"})
@@ -206,8 +196,7 @@ def read_meta(cfg: Config) -> dict:
 
 
 def load_split(cfg: Config, split: str) -> np.ndarray:
-    """The split's tokens as a read-only np.memmap (never read whole into RAM), after checks that
-    it is intact and fits the model."""
+    """The split's tokens as a read-only np.memmap (never read whole into RAM), once checked."""
     meta, path = read_meta(cfg), data_dir(cfg) / f"{split}.bin"
     redo = f"rerun `python data.py {cfg.dataset}`"
     if not path.exists():
@@ -221,17 +210,17 @@ def load_split(cfg: Config, split: str) -> np.ndarray:
         raise UsageError(f"dataset {cfg.dataset} has token ids up to {meta['vocab_size'] - 1}, "
                          f"beyond the model's vocab_size={cfg.vocab_size}; "
                          f"set --config.vocab_size={meta['vocab_size']}")
+    # Checked before the memmap, which refuses an empty file.
+    if n_tokens < cfg.block_size + 2:
+        fix = split == "val" and cfg.dataset != "shakespeare_char"
+        more = ", or prepare it again with a larger --val_fraction" if fix else ""
+        raise UsageError(f"block_size={cfg.block_size} is longer than the {split} split of "
+                         f"{cfg.dataset} ({n_tokens} tokens); lower --config.block_size{more}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
     # Small splits are checked whole; openwebtext's is too big to read through at every start.
-    if tokens.size <= 2**28 and tokens.size and int(tokens.max()) >= meta["vocab_size"]:
+    if tokens.size <= 2**28 and int(tokens.max()) >= meta["vocab_size"]:
         raise UsageError(f"{path} holds token id {int(tokens.max())} >= "
                          f"its vocab_size {meta['vocab_size']}: corrupt; {redo}")
-    if tokens.size < cfg.block_size + 2:
-        more = ""
-        if split == "val" and cfg.dataset != "shakespeare_char":
-            more = ", or prepare it again with a larger --val_fraction"
-        raise UsageError(f"block_size={cfg.block_size} is longer than the {split} split of "
-                         f"{cfg.dataset} ({tokens.size} tokens); lower --config.block_size{more}")
     return tokens
 
 
@@ -249,20 +238,18 @@ def get_batch(tokens: np.ndarray, seed: int, stream: int, step: int, n_seqs: int
 def global_batch(tokens: np.ndarray, seed: int, stream: int, step: int, sharding,
                  shape: tuple) -> tuple:
     """get_batch's sequences as two jax.Arrays of `shape` (..., B, T): B sharded by `sharding`,
-    the leading (microbatch) dims whole. Each process reads only the rows its devices hold,
-    straight from the memmap (midGPT copies train.bin into every host's RAM);
-    make_array_from_process_local_data joins the shares."""
+    the leading (microbatch) dims whole. Each process reads only the rows of B its devices hold,
+    straight from the memmap (midGPT copies train.bin into every host's RAM)."""
     import jax  # here, so that preparing data does not wait for jax to load
 
     *lead, B, T = shape
-    held = sharding.addressable_devices_indices_map(tuple(shape)).values()
-    # This process's rows of B: those its devices hold.
+    held = sharding.addressable_devices_indices_map(shape).values()
     mine = np.unique(np.concatenate([np.arange(B)[index[-2]] for index in held]))
-    G = math.prod(lead)
+    G = int(np.prod(lead))
     rows = (np.arange(G)[:, None] * B + mine).ravel()
     x, y = get_batch(tokens, seed, stream, step, G * B, T, rows=rows)
     local = (a.reshape(*lead, len(mine), T) for a in (x, y))
-    return tuple(jax.make_array_from_process_local_data(sharding, a, tuple(shape)) for a in local)
+    return tuple(jax.make_array_from_process_local_data(sharding, a, shape) for a in local)
 
 
 def main():

@@ -340,10 +340,6 @@ def partition_specs(model: GPT, cfg: Config):
     return jax.tree.map(lambda p: P(*p.spec), policy_table(model, cfg), is_leaf=is_policy)
 
 
-def count_params(model: GPT) -> int:
-    return sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
-
-
 def flops_per_token(model: GPT, T: int) -> float:
     """Model FLOPs per token, forward + backward, from the model's own arrays: 6N + 12·L·H·K·T
     (PaLM app. B). N: every matrix a token is multiplied by (the blocks' and the readout, not the

@@ -1,6 +1,6 @@
 """Checks that muP (Tensor Programs V, Yang et al. 2022, arXiv 2203.03466) does what it promises,
 as numbers and plots. Both train the real model with the real train step (train.setup) at the
-config's hyperparameters; a width w is d_model = w with n_head = w / head_dim (a fixed head dim).
+config's hyperparameters, on one device; a width w is d_model = w with n_head = w / head_dim.
 
     python mup.py coord --config=NAME --widths=64,128,256,512 --steps=5 --out=DIR
                         [--param=sp] [--depths=2,4,8] [--config.F=V]
@@ -18,9 +18,8 @@ and microsoft/mup).
 trains every (width, LR) pair on the same batches with the config's schedule compressed to --steps
 steps, and writes the final validation loss after each width: DIR/lr_transfer.json (the grid and
 the best LR per width) and DIR/lr_transfer.png. Under muP the best LR stays put as the width grows;
-under SP it moves. Both run on one device. The JSON files record their settings: results of other
-settings in DIR are refused, never overwritten, and transfer again with the same ones trains only
-the widths missing."""
+under SP it moves. The JSON files record their settings: results of other settings in DIR are
+refused, never overwritten; transfer again with the same ones trains only the widths missing."""
 import argparse
 import dataclasses
 import json
@@ -56,9 +55,8 @@ def resize(cfg: Config, axis: str, size: int) -> Config:
 
 
 def one_device_mesh() -> jax.sharding.Mesh:
-    """The sweeps' mesh, the process's first device alone (of a GPU node, a TPU VM, a split CPU):
-    they compare widths and LRs, not speed, and JAX refuses activation_sizes' ordered callback on
-    more than one device."""
+    """The first device alone (of a GPU node, a TPU VM, a split CPU): the sweeps compare widths
+    and LRs, not speed, and JAX refuses activation_sizes' ordered callback on more than one."""
     return train.make_mesh(Config(mesh_replica=1), jax.devices()[:1])
 
 
@@ -96,10 +94,8 @@ def activation_sizes(gpt: M.GPT, x_BT: np.ndarray) -> dict[str, float]:
     out = {}
     for name, values in seen.items():
         per_layer = np.reshape(values, (len(x_BT), -1)).mean(axis=0)  # a value per call of the tap
-        if name == "resid":
-            out |= {f"resid.{i}": v for i, v in enumerate(per_layer)}
-        else:
-            out[name] = per_layer.mean()
+        out |= ({f"resid.{i}": v for i, v in enumerate(per_layer)} if name == "resid"
+                else {name: per_layer.mean()})
     return out
 
 
@@ -125,9 +121,8 @@ def coord_check(cfg: Config, axis: str, sizes: list[int], steps: int,
             for t in range(steps + 1):
                 sizes_t = activation_sizes(gpt, x_BT)
                 if axis == "depth":  # the layers differ between depths: compare the last stream
-                    last = sizes_t[f"resid.{c.n_layer - 1}"]
-                    sizes_t = {k: v for k, v in sizes_t.items() if not k.startswith("resid.")}
-                    sizes_t["resid.last"] = last
+                    kept = {k: v for k, v in sizes_t.items() if not k.startswith("resid.")}
+                    sizes_t = kept | {"resid.last": sizes_t[f"resid.{c.n_layer - 1}"]}
                 for name, v in sizes_t.items():
                     table[name][i, t] += v / seeds
                 if t < steps:
@@ -145,8 +140,7 @@ def slopes(sizes: list[int], table: dict[str, np.ndarray]) -> dict[str, list[flo
 def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
     """Validation loss after `steps` steps at each learning rate, on the same batches, with the
     config's schedule compressed to `steps` steps (min_lr / learning_rate kept). One compiled
-    program vmapped over the LRs: the LR reaches train.setup through the config, as a traced
-    value."""
+    program vmapped over the LRs: the LR reaches train.setup through the config as a tracer."""
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
     G, B, T = cfg.grad_accum, cfg.microbatch_size, cfg.block_size
     xy = [data.get_batch(train_tokens, cfg.seed, data.TRAIN, s, cfg.batch_size, T)
@@ -192,9 +186,8 @@ def positive_list(flag: str, text: str, kind: type) -> list:
 
 
 def open_out(text: str, name: str, settings: dict) -> tuple[Path, dict]:
-    """--out, checked before any training: a directory that can be written, and its NAME.json
-    ({} if none), which must be of these settings: results of others are refused, never
-    overwritten."""
+    """--out, checked before any training: a writable directory and its NAME.json ({} if none),
+    which must be of these settings: results of others are refused, never overwritten."""
     out, path = Path(text), Path(text, f"{name}.json")
     try:
         if not text or path.is_dir() or path.with_suffix(".png").is_dir():
@@ -209,7 +202,7 @@ def open_out(text: str, name: str, settings: dict) -> tuple[Path, dict]:
         return out, {}
     try:
         old = json.loads(path.read_text())
-        keys = {**settings, **old["settings"]}
+        keys = settings | old["settings"]
         differ = [k for k in keys if old["settings"].get(k) != settings.get(k)]
         why = f"other settings ({', '.join(differ[:4])} differ)"
     except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or no settings
@@ -263,7 +256,6 @@ def main(argv: list[str] | None = None) -> None:
     previous = signal.signal(signal.SIGINT, interrupted)
     try:
         cfg = configs.apply_overrides(configs.load(args.config), overrides)
-        # one device (one_device_mesh): the sweeps compare widths and learning rates, not speed
         # kernels=False: the taps are in model.py's functions, which a fused kernel would skip
         cfg = dataclasses.replace(cfg, param=args.param or cfg.param, mesh_replica=1,
                                   kernels=False)
@@ -313,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         old_rows = zip(old.get("widths", []), old.get("loss", []))
         loss = {w: np.array(row, float) for w, row in old_rows}
         best = lambda w: lrs[int(np.nanargmin(loss[w]))] if np.isfinite(loss[w]).any() else None
+        title = f"{name}, {args.steps} steps"
         if done := [w for w in sizes if w in loss]:
             print(f"{out}/lr_transfer.json has these settings' results at width "
                   f"{', '.join(map(str, done))}: not trained again")
@@ -320,15 +313,11 @@ def main(argv: list[str] | None = None) -> None:
         for w in [w for w in sizes if w not in loss]:
             loss[w] = lr_sweep(resize(cfg, "width", w), lrs, args.steps)
             widths = sorted(loss)
-            grid = np.stack([loss[x] for x in widths])
             rows = [[float(v) if np.isfinite(v) else None for v in loss[x]] for x in widths]
-            result = {"settings": settings, "widths": widths, "loss": rows,
-                      "best_lr": {str(x): best(x) for x in widths}}
-            title = f"{name}, {args.steps} steps"
-            write_atomic(out / "lr_transfer.png",
-                         lambda p: plots.transfer(p, widths, lrs, grid, title))
-            write_atomic(out / "lr_transfer.json",
-                         lambda p: p.write_text(json.dumps(result, indent=1)))
+            result = json.dumps({"settings": settings, "widths": widths, "loss": rows,
+                                 "best_lr": {str(x): best(x) for x in widths}}, indent=1)
+            write_atomic(out / "lr_transfer.png", lambda p: plots.transfer(p, loss, lrs, title))
+            write_atomic(out / "lr_transfer.json", lambda p: p.write_text(result))
             if best(w):
                 print(f"width {w}: best LR {best(w):g}, loss {np.nanmin(loss[w]):.4f}", flush=True)
             else:

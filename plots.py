@@ -39,23 +39,23 @@ def coord(path: Path, axis: str, sizes: list[int], table: dict[str, np.ndarray],
     plt.close(fig)
 
 
-def transfer(path: Path, widths: list[int], lrs: list[float], loss: np.ndarray,
-             title: str) -> None:
-    """Final loss against log2 LR, a curve per width, each optimum marked."""
+def transfer(path: Path, loss: dict[int, np.ndarray], lrs: list[float], title: str) -> None:
+    """Final loss against log2 LR (loss: width -> a loss per LR), a curve per width, each optimum
+    marked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    colors = plt.cm.viridis(np.linspace(0, 0.9, len(widths)))
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(loss)))
     log_lr = np.log2(lrs)
-    for w, row, color in zip(widths, loss, colors):
+    for (w, row), color in zip(sorted(loss.items()), colors):
         ax.plot(log_lr, row, "o-", color=color, ms=3, label=f"width {w}")
         if np.isfinite(row).any():
             best = np.nanargmin(row)
             ax.plot(log_lr[best], row[best], "*", color=color, ms=14, markeredgecolor="k")
     # Diverged runs (nan) are left out; the y range is the region around the optimum.
-    finite = loss[np.isfinite(loss)]
+    finite = np.array([v for row in loss.values() for v in row if np.isfinite(v)])
     if finite.size:
         ax.set_ylim(finite.min() - 0.05, min(finite.max(), finite.min() + 0.6) + 0.05)
     ax.set_xticks(log_lr, [f"{lr:.2g}" for lr in lrs], fontsize=8)

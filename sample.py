@@ -5,12 +5,10 @@
 Decoding keeps a key/value cache of block_size positions and runs in one jitted lax.scan, one
 token per step for all samples at once. The model was trained on block_size positions, so that is
 its context: a longer prompt keeps its last block_size tokens, and when the cache is full the
-window slides by half: the last block_size // 2 tokens are run through the model again from
-position 0 (a fresh cache) and generation goes on, so every new token sees between
-block_size // 2 and block_size tokens.
+window slides by half: the last block_size // 2 tokens are run again from position 0 (a fresh
+cache) and generation goes on, so every new token sees block_size // 2 to block_size tokens.
 
-Shapes as in model.py, plus S cache positions (block_size) and N new tokens per sample.
-"""
+Shapes as in model.py, plus S cache positions (block_size) and N new tokens per sample."""
 import argparse
 import json
 import logging
@@ -66,9 +64,8 @@ def extend(model: GPT, cache: Cache, tokens_T: jax.Array, start) -> tuple[jax.Ar
 
         return eqx.combine(block_params, static)(x_TD, rope_TK2, write), tuple(written)
 
-    # Not unrolled (model.unroll is for training): generate holds three of these scans, and
-    # train.py's preview compiles generate in every run, so unrolling would lengthen every run's
-    # compilation for a preview's few tokens (BENCHMARKS.md, the quickstart).
+    # Not unrolled (model.unroll is for training): train.py's preview compiles generate (three of
+    # these scans) in every run, which unrolling slows for a preview's few tokens (BENCHMARKS.md).
     x_TD, (k_LSHK, v_LSHK) = jax.lax.scan(layer, model.embed(tokens_T), (params, *cache))
     return x_TD, Cache(k_LSHK, v_LSHK)
 
@@ -113,12 +110,11 @@ def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.A
     keep = S // 2  # tokens kept when the window slides
     sample_keys_B = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
     pick_B = jax.vmap(partial(pick, n_vocab=n_vocab, top_k=top_k, top_p=top_p), (0, 0, None))
+    extend_B = jax.vmap(extend, in_axes=(None, 0, 0, None))
 
     def draw(logits_BV, i):
         keys_B = jax.vmap(jax.random.fold_in, (0, None))(sample_keys_B, i)
         return pick_B(logits_BV, keys_B, temperature)
-
-    extend_B = jax.vmap(extend, in_axes=(None, 0, 0, None))
 
     x_SD, cache = extend(model, empty_cache(model, S), prompt_S, 0)
     logits_V = model.logits(jax.lax.dynamic_slice_in_dim(x_SD, n_prompt - 1, 1))[0]
@@ -173,8 +169,7 @@ def tokenizer(meta: dict):
         index = {c: i for i, c in enumerate(tok["chars"])}
 
         def encode(text: str) -> list[int]:
-            if unknown := sorted(set(text) - index.keys()):
-                unknown = "".join(unknown)
+            if unknown := "".join(sorted(set(text) - index.keys())):
                 raise UsageError(f"characters {unknown!r} are not in the dataset's vocabulary")
             return [index[c] for c in text]
 
@@ -184,8 +179,7 @@ def tokenizer(meta: dict):
 
 
 def read_dataset_record(rundir: epath.Path, cfg: Config) -> dict:
-    """launch.py's copy of the dataset's meta.json (for runs before it, or with it unreadable:
-    the dataset's own)."""
+    """launch.py's copy of the dataset's meta.json, else (an older run, or unreadable) its own."""
     try:
         return json.loads((rundir / "dataset.json").read_text())
     except (OSError, ValueError):
@@ -202,7 +196,7 @@ def read_config(rundir: epath.Path) -> Config:
     if unknown := sorted(set(saved) - set(Config.__dataclass_fields__)):
         fields = ", ".join(unknown)
         raise UsageError(f"{rundir}/config.json has fields this code does not know ({fields}): "
-                         f"a run of another version of mugpt")
+                         "a run of another version of mugpt")
     return Config(**saved)
 
 
@@ -228,7 +222,7 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
 
 def read_prompt(start: str) -> str:
     if start.startswith("FILE:"):
-        path = Path(start[len("FILE:"):])
+        path = Path(start.removeprefix("FILE:"))
         if not path.is_file():
             what = "a directory" if path.is_dir() else "no such file"
             raise UsageError(f"--start=FILE:{path}: {what}")
@@ -242,7 +236,8 @@ def read_prompt(start: str) -> str:
     return start
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (default sys.argv's), checked: a bad value is a UsageError."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rundir", required=True, help="a run directory written by launch.py")
@@ -260,10 +255,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--top_p", type=float, default=1.0,
                     help="nucleus sampling: the smallest set of tokens holding this mass")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
-
-
-def check_args(args: argparse.Namespace) -> None:
+    args = ap.parse_args(argv)
     checks = (
         ("num_samples", args.num_samples >= 1, "at least 1"),
         ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
@@ -274,12 +266,12 @@ def check_args(args: argparse.Namespace) -> None:
     for name, ok, need in checks:
         if not ok:
             raise UsageError(f"--{name}={getattr(args, name)} must be {need}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        check_args(args)
+        args = parse_args(argv)
         rundir = epath.Path(args.rundir)  # local, or gs://
         cfg = read_config(rundir)
         encode, decode = tokenizer(meta := read_dataset_record(rundir, cfg))

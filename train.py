@@ -24,8 +24,7 @@ from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_ch
 from configs import Config, RunError, UsageError
 from distributed import stop_signals
 from metrics import Logger, Tally, peak_flops
-from model import (GPT, Policy, count_params, flops_per_token, init_gpt, partition_specs,
-                   policy_table)
+from model import GPT, Policy, flops_per_token, init_gpt, partition_specs, policy_table
 
 # (G, B, T): every device holds B / devices sequences of each microbatch
 BATCH_SPEC = P(None, ("replica", "fsdp"), None)
@@ -193,9 +192,9 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
 eval_loss = eqx.filter_jit(loss_fn)
 
 
-def evaluate(model: GPT, cfg: Config, splits: dict, sharding) -> dict[str, float]:
+def evaluate(model: GPT, cfg: Config, splits: dict, mesh) -> dict[str, float]:
     """Mean loss over eval_batches fixed microbatches of each split (the same ones every time)."""
-    out = {}
+    out, sharding = {}, NamedSharding(mesh, P(("replica", "fsdp"), None))
     for name, (tokens, stream) in splits.items():
         total = 0.0
         for i in range(cfg.eval_batches):
@@ -265,7 +264,6 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     tally = Tally(cfg, saved)
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     batch_shape = (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
-    eval_sharding = NamedSharding(mesh, P(("replica", "fsdp"), None))
     eval_splits = {"train": (train_tokens, data.EVAL_TRAIN), "val": (val_tokens, data.EVAL_VAL)}
     schedule = jax.jit(lr_schedule(cfg))  # one compilation, not one per eager op
     peak = peak_flops(jax.devices()[0])
@@ -274,12 +272,13 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     logger = Logger(rundir, start)
     say = tqdm.write if jax.process_index() == 0 else lambda text: None  # process 0 alone prints
     mfu_against = f"against {peak:.3g} FLOP/s" if peak else "unknown: no datasheet peak"
-    say(f"{count_params(model):,} parameters, {jax.device_count()} {jax.devices()[0].device_kind} "
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+    say(f"{n_params:,} parameters, {jax.device_count()} {jax.devices()[0].device_kind} "
         f"device(s), mesh {dict(mesh.shape)}, MFU {mfu_against}"
         + (f"; resuming from the checkpoint of step {start}" if start else ""))
 
     def log_eval(step: int, tokens_per_s: float | None) -> dict:
-        record = {**evaluate(model, cfg, eval_splits, eval_sharding), "lr": float(schedule(step)),
+        record = {**evaluate(model, cfg, eval_splits, mesh), "lr": float(schedule(step)),
                   "tokens_per_s": tokens_per_s}
         logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
         # A short sample from the start of the val split, in a markdown code block (line breaks)

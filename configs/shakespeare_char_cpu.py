@@ -5,7 +5,10 @@ tau / head_dim SP's 1 / sqrt(head_dim). The 4 layers are unrolled in one scan it
 sizes XLA:CPU runs the step faster so, and compiles as fast (BENCHMARKS.md).
 Schedule and optimizer: the fewest steps that end at val <= 1.70 over seeds 0-2 (BENCHMARKS.md):
 alpha_out 2 (logits x2; 0.5 did worse), beta1 0.8 and beta2 0.95 each helped a little at 1000
-steps. One evaluation at the end (and the one at step 0): each takes a second of the quickstart."""
+steps. One evaluation at the end (and the one at step 0): each takes a second of the quickstart.
+One JAX device by default; the README's quickstart splits a 2-core CPU into two that train
+data-parallel (JAX_NUM_CPU_DEVICES=2, --config.mesh_replica=2): XLA:CPU runs one op at a time
+per device, and this model's ops are too small to use both cores from one."""
 from configs import Config
 
 config = Config(dataset="shakespeare_char", vocab_size=65, n_layer=4, n_head=4, d_model=128,

@@ -18,6 +18,7 @@ and --config.kernels=false turns every fast path off.
 """
 import dataclasses
 import functools
+import sys
 from typing import Callable
 
 import jax
@@ -67,8 +68,9 @@ def select(cfg: Config) -> dict[str, Callable]:
 
 
 def say(line: str) -> None:
+    """To stderr, by process 0: bench.py's stdout stays its one JSON line."""
     if jax.process_index() == 0:
-        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
 
 def mismatch(fast: Callable, reference: Callable, arrays: tuple, call: Callable,

@@ -235,7 +235,7 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll)
     fast = kernels.select(cfg)
     assert set(fast) == {"attend", "qk_norm_rope", "gelu"}
-    assert "attend, qk_norm_rope, gelu fused" in capsys.readouterr().out
+    assert "attend, qk_norm_rope, gelu fused" in capsys.readouterr().err
     plain, fused = random_gpt(cfg), random_gpt(cfg, fast=fast)  # the same arrays
     assert fused.blocks.attn.fast_qk_norm_rope is fast["qk_norm_rope"]
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
@@ -259,18 +259,18 @@ def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
     plain_rope, plain_attend = M.rope, M.attend
     monkeypatch.setattr(M, "rope", lambda x, cos, sin: plain_rope(x, cos, -sin))
     assert set(kernels.select(cfg)) == {"attend", "gelu"}
-    line = capsys.readouterr().out.splitlines()[0]
+    line = capsys.readouterr().err.splitlines()[0]
     assert line.startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, model.qk_norm_rope "
                            "runs instead: its output differs by ")
     monkeypatch.setattr(M, "attend", lambda q, k, v, scale, mask=None: plain_attend(q, k, v, 2 * scale, mask))
     assert set(kernels.select(cfg)) == {"gelu"}
-    assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().out
+    assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().err
     assert kernels.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
-    assert capsys.readouterr().out == ""
+    assert capsys.readouterr().err == ""
     # A signature the kernel cannot be called like is set aside too, not a crash
     monkeypatch.setattr(M, "attend", lambda q, k, v: plain_attend(q, k, v, 1.0))
     assert "attend" not in kernels.select(cfg)
-    assert "model.py's function does not take the kernel's inputs" in capsys.readouterr().out
+    assert "model.py's function does not take the kernel's inputs" in capsys.readouterr().err
 
 
 def test_a_parameter_without_a_policy_row_stops_launch_before_the_run_directory(shakespeare,

@@ -71,8 +71,7 @@ def qk_norm_rope(qkv_T3HK: Array, q_gain_K: Array, k_gain_K: Array, cos_TK2: Arr
     return q_THK, k_THK, v_THK
 
 
-def gelu(x: Array) -> Array:
-    """GELU in GPT-2's tanh form."""
+def gelu(x: Array) -> Array:  # GPT-2's tanh form
     return jax.nn.gelu(x)
 
 
@@ -163,8 +162,8 @@ class Embeddings(eqx.Module):  # the readout stored like embed, so that eqx.nn.S
     unembed: Float[Array, "V D"]
 
 
-REMAT_POLICIES = {  # what the backward pass may keep instead of recomputing, per block
-    # "none": no jax.checkpoint at all, keep everything: fastest, most memory
+# what the backward pass may keep instead of recomputing, per block ("none": no jax.checkpoint)
+REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # keep only each block's input
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # weight matmuls' out
 }

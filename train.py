@@ -55,8 +55,7 @@ def lr_schedule(cfg: Config):
     def lr(step):
         step = jnp.asarray(step, jnp.float32)
         warm = cfg.learning_rate * (step + 1) / max(cfg.warmup_steps, 1)
-        decay_steps = max(cfg.max_steps - cfg.warmup_steps, 1)
-        frac = jnp.clip((step - cfg.warmup_steps) / decay_steps, 0.0, 1.0)
+        frac = jnp.clip((step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1), 0, 1)
         cosine = cfg.min_lr + 0.5 * (cfg.learning_rate - cfg.min_lr) * (1 + jnp.cos(math.pi * frac))
         return jnp.where(step < cfg.warmup_steps, warm, cosine)
 
@@ -192,13 +191,14 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
 eval_loss = eqx.filter_jit(loss_fn)
 
 
-def evaluate(model: GPT, cfg: Config, splits: dict, mesh) -> dict[str, float]:
+def evaluate(model: GPT, cfg: Config, train_tokens, val_tokens, mesh) -> dict[str, float]:
     """Mean loss over eval_batches fixed microbatches of each split (the same ones every time)."""
     out, sharding = {}, NamedSharding(mesh, P(("replica", "fsdp"), None))
-    for name, (tokens, stream) in splits.items():
+    shape = (cfg.microbatch_size, cfg.block_size)
+    for name, tokens, stream in (("train", train_tokens, data.EVAL_TRAIN),
+                                 ("val", val_tokens, data.EVAL_VAL)):
         total = 0.0
         for i in range(cfg.eval_batches):
-            shape = (cfg.microbatch_size, cfg.block_size)
             x, y = data.global_batch(tokens, cfg.seed, stream, i, sharding, shape)
             total += eval_loss(model, x, y, cfg)
         out[f"{name}_loss"] = float(total) / cfg.eval_batches  # one host sync per split
@@ -248,9 +248,8 @@ def explain_out_of_memory(fn: Callable) -> Callable:
 
 @explain_out_of_memory
 def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, float] | None:
-    """Train from the latest checkpoint in rundir, or from scratch; returns the last evaluation
-    (None if a signal stopped the run or nothing was left to do). With debug nothing is saved,
-    only profiled."""
+    """Train from rundir's latest checkpoint, or from scratch; returns the last evaluation (None if
+    a signal stopped the run or nothing was left to do). debug: profile some steps, save none."""
     cfg.check(jax.device_count())
     mesh = make_mesh(cfg)
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
@@ -258,16 +257,13 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     with one_line(f"reading the checkpoints in {rundir}"):
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
         start = mngr.latest_step() or 0
-        saved = None
-        if start:
-            model, opt_state, saved = restore_checkpoint(mngr, model, opt_state)
+        model, opt_state, saved = restore_checkpoint(mngr, model, opt_state) if start else \
+            (model, opt_state, None)
     tally = Tally(cfg, saved)
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     batch_shape = (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
-    eval_splits = {"train": (train_tokens, data.EVAL_TRAIN), "val": (val_tokens, data.EVAL_VAL)}
     schedule = jax.jit(lr_schedule(cfg))  # one compilation, not one per eager op
-    peak = peak_flops(jax.devices()[0])
-    peak = peak and peak * jax.device_count()  # of all the devices; None: unknown
+    peak = (peak_flops(jax.devices()[0]) or 0) * jax.device_count()  # all devices' (0: unknown)
     flops = flops_per_token(model, cfg.block_size)
     logger = Logger(rundir, start)
     say = tqdm.write if jax.process_index() == 0 else lambda text: None  # process 0 alone prints
@@ -278,8 +274,8 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         + (f"; resuming from the checkpoint of step {start}" if start else ""))
 
     def log_eval(step: int, tokens_per_s: float | None) -> dict:
-        record = {**evaluate(model, cfg, eval_splits, mesh), "lr": float(schedule(step)),
-                  "tokens_per_s": tokens_per_s}
+        record = evaluate(model, cfg, train_tokens, val_tokens, mesh)
+        record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s}
         logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
         # A short sample from the start of the val split, in a markdown code block (line breaks)
         text = sample.preview(model, cfg, val_tokens[:8].tolist())
@@ -318,14 +314,13 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
                 if t0 is None:  # time from the end of the first step: compilation is not counted
                     jax.block_until_ready(metrics)
                     t0, t0_step = time.perf_counter(), done
-                # JAX's preemption sync point must be asked about at every step
-                synced = jax.process_count() > 1 and mngr.reached_preemption(done)
-                stop = bool(caught) or synced
+                # JAX's preemption sync point must be asked about at every step (first)
+                stop = (jax.process_count() > 1 and mngr.reached_preemption(done)) or bool(caught)
                 if done % cfg.log_interval == 0 or done == cfg.max_steps:
                     record = tally.record(done)  # the only host sync between evaluations and saves
                     tokens = (done - t0_step) * cfg.batch_size * cfg.block_size
                     tokens_per_s = tokens / (time.perf_counter() - t0) if done > t0_step else None
-                    mfu = tokens_per_s and peak and tokens_per_s * flops / peak
+                    mfu = tokens_per_s * flops / peak if peak and tokens_per_s else None
                     record |= {"lr": float(schedule(done - 1)), "tokens_per_s": tokens_per_s,
                                "mfu": mfu}
                     logger.log(done, record, tags)
@@ -342,9 +337,8 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
                     save(done)
                 if stop:
                     what = signal.Signals(caught[0]).name if caught else "preemption"
-                    then = "stopping" if debug else \
-                        "checkpoint saved; run the same command to resume"
-                    say(f"{what} at step {done}: {then}")
+                    then = "checkpoint saved; run the same command to resume"
+                    say(f"{what} at step {done}: {'stopping' if debug else then}")
                     return None
         if start >= cfg.max_steps:
             say(f"the checkpoint is at step {start}, max_steps={cfg.max_steps}: nothing to do")

@@ -109,13 +109,15 @@ def first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def cudnn_attend(q_THK, k_SHK, v_SHK, scale: float, mask_TS=None):
+def cudnn_attend(q_THK, k_SGK, v_SGK, scale: float, mask_TS=None, bias_HTS=None):
     """model.attend by jax.nn.dot_product_attention: cuDNN's flash attention on a GPU (its XLA
-    version elsewhere, which is how the tests check this path). is_causal aligns queries and keys
-    from position 0, true in training; sample.py's cache passes a mask: model.attend takes those."""
+    version elsewhere, which is how the tests check this path), grouped-query heads and ALiBi's
+    bias included. is_causal aligns queries and keys from position 0, true in training;
+    sample.py's cache passes a mask: model.attend takes those."""
     if mask_TS is not None:
-        return model.attend(q_THK, k_SHK, v_SHK, scale, mask_TS)
-    return jax.nn.dot_product_attention(q_THK, k_SHK, v_SHK, scale=scale, is_causal=True,
+        return model.attend(q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
+    bias = None if bias_HTS is None else bias_HTS.astype(q_THK.dtype)
+    return jax.nn.dot_product_attention(q_THK, k_SGK, v_SGK, bias, scale=scale, is_causal=True,
                                         implementation="cudnn" if on_gpu() else "xla")
 
 
@@ -126,19 +128,27 @@ def cudnn_applies(cfg: Config) -> bool:
 
 
 def attend_example(cfg: Config, key: jax.Array) -> tuple:
-    T, H, K = cfg.block_size, cfg.n_head, cfg.head_dim
-    q, k, v = jax.random.normal(key, (3, T, H, K), cfg.compute_dtype)
-    return (q, k, v), lambda fn, q, k, v: fn(q, k, v, cfg.attn_scale)
+    T, H, G, K = cfg.block_size, cfg.n_head, cfg.kv_heads, cfg.head_dim
+    keys = jax.random.split(key, 3)
+    q = jax.random.normal(keys[0], (T, H, K), cfg.compute_dtype)
+    k, v = (jax.random.normal(k, (T, G, K), cfg.compute_dtype) for k in keys[1:])
+    bias = None
+    if cfg.position == "alibi":
+        pos = jnp.arange(T)
+        bias = -model.alibi_slopes(H)[:, None, None] * (pos[:, None] - pos[None, :])
+    return (q, k, v), lambda fn, q, k, v: fn(q, k, v, cfg.attn_scale, None, bias)
 
 
-def fused_qk_norm_rope(qkv_T3HK, q_gain_K, k_gain_K, cos_TK2, sin_TK2):
-    """model.qk_norm_rope by the Pallas kernel below, where the shapes fit its blocks (sample.py's
-    one-token decoding steps do not: model.qk_norm_rope takes those)."""
-    T, _, H, K = qkv_T3HK.shape
-    if not pallas_fits(T, K):
-        return model.qk_norm_rope(qkv_T3HK, q_gain_K, k_gain_K, cos_TK2, sin_TK2)
-    qkv_TC = qkv_T3HK.reshape(T, 3 * H * K)
-    return pallas_qk_norm_rope(qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2, H)
+def fused_qk_norm_rope(q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope):
+    """model.qk_norm_rope by the Pallas kernel below, where queries and keys share positions and
+    head counts and the shapes fit its blocks (sample.py's decoding steps do not: model.py's
+    function takes those)."""
+    (T, H, K), (S, G, _) = q_THK.shape, k_TGK.shape
+    if q_rope is not k_rope or (S, G) != (T, H) or not pallas_fits(T, K):
+        return model.qk_norm_rope(q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope)
+    # the kernel's layout is the (T, 3, H, K) projection: q, k and a third group it copies
+    qkv_TC = jnp.concatenate([q_THK, k_TGK, k_TGK], axis=1).reshape(T, 3 * H * K)
+    return pallas_qk_norm_rope(qkv_TC, q_gain_K, k_gain_K, *q_rope, H)[:2]
 
 
 def pallas_fits(T: int, K: int) -> bool:
@@ -147,16 +157,19 @@ def pallas_fits(T: int, K: int) -> bool:
 
 
 def qk_norm_rope_applies(cfg: Config) -> bool:
-    return on_gpu() and jax.device_count() == 1 and pallas_fits(cfg.block_size, cfg.head_dim)
+    same_heads, rope = cfg.kv_heads == cfg.n_head, cfg.position == "rope"
+    fits = pallas_fits(cfg.block_size, cfg.head_dim)
+    return on_gpu() and jax.device_count() == 1 and same_heads and rope and fits
 
 
 def qk_norm_rope_example(cfg: Config, key: jax.Array) -> tuple:
-    T, H, K = cfg.block_size, cfg.n_head, cfg.head_dim
-    keys = jax.random.split(key, 3)
-    qkv = jax.random.normal(keys[0], (T, 3, H, K), cfg.compute_dtype)
-    q_gain, k_gain = (1 + 0.1 * jax.random.normal(k, (K,)) for k in keys[1:])
-    cos, sin = model.rope_table(jnp.arange(T), K, cfg.rope_base)
-    return (qkv, q_gain, k_gain), lambda fn, qkv, qg, kg: fn(qkv, qg, kg, cos, sin)
+    T, H, G, K = cfg.block_size, cfg.n_head, cfg.kv_heads, cfg.head_dim
+    keys = jax.random.split(key, 4)
+    q = jax.random.normal(keys[0], (T, H, K), cfg.compute_dtype)
+    k = jax.random.normal(keys[1], (T, G, K), cfg.compute_dtype)
+    q_gain, k_gain = (1 + 0.1 * jax.random.normal(k, (K,)) for k in keys[2:])
+    table = model.rope_table(jnp.arange(T), K, cfg.rope_base)
+    return (q, k, q_gain, k_gain), lambda fn, *arrays: fn(*arrays, table, table)
 
 
 @jax.custom_vjp

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -61,64 +61,131 @@ def rope(x_THK: Array, cos_TK2: Array, sin_TK2: Array) -> Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def qk_norm_rope(qkv_T3HK: Array, q_gain_K: Array, k_gain_K: Array, cos_TK2: Array,
-                 sin_TK2: Array) -> tuple[Array, Array, Array]:
-    """Queries and keys QK-LayerNormed and rotated, values as they are, from the qkv projection."""
-    q_THK, k_THK, v_THK = qkv_T3HK[:, 0], qkv_T3HK[:, 1], qkv_T3HK[:, 2]
-    q_THK, k_THK = tap("q", q_THK), tap("k", k_THK)
-    q_THK = rope(layer_norm(q_THK, q_gain_K), cos_TK2, sin_TK2).astype(v_THK.dtype)
-    k_THK = rope(layer_norm(k_THK, k_gain_K), cos_TK2, sin_TK2).astype(v_THK.dtype)
-    return q_THK, k_THK, v_THK
+def qk_norm_rope(q_THK: Array, k_SGK: Array, q_gain_K: Array, k_gain_K: Array,
+                 q_rope: tuple[Array, Array] | None, k_rope: tuple[Array, Array] | None
+                 ) -> tuple[Array, Array]:
+    """Queries and keys QK-LayerNormed, then rotated by RoPE's tables at their own positions
+    (None: no rotation, the positions come from ALiBi's biases), in the values' dtype."""
+    q_THK, k_SGK = tap("q", q_THK), tap("k", k_SGK)
+    dtype = q_THK.dtype
+    q_THK, k_SGK = layer_norm(q_THK, q_gain_K), layer_norm(k_SGK, k_gain_K)
+    if q_rope is not None:
+        q_THK, k_SGK = rope(q_THK, *q_rope), rope(k_SGK, *k_rope)
+    return q_THK.astype(dtype), k_SGK.astype(dtype)
+
+
+def alibi_slopes(H: int) -> Array:
+    """ALiBi's head slopes (Press et al. 2022, arXiv 2108.12409): the geometric sequence
+    2^(-8/H), 2^(-16/H), ... for H a power of two; otherwise those of the power of two below H,
+    then every other one of twice that power (the paper's code, and fattorib/ZeRO-transformer's)."""
+    def powers(n):
+        return [2 ** (-8 * (i + 1) / n) for i in range(n)]
+    below = 2 ** math.floor(math.log2(H))
+    return jnp.array(powers(below) + powers(2 * below)[0::2][:H - below], jnp.float32)
 
 
 def gelu(x: Array) -> Array:  # GPT-2's tanh form
     return jax.nn.gelu(x)
 
 
-def attend(q_THK: Array, k_SHK: Array, v_SHK: Array, scale: float,
-           mask_TS: Array | None = None) -> Array:
-    """softmax(q.k * scale) v over the keys mask_TS allows (None: causal), softmax in float32."""
+def attend(q_THK: Array, k_SGK: Array, v_SGK: Array, scale: float, mask_TS: Array | None = None,
+           bias_HTS: Array | None = None) -> Array:
+    """softmax(q.k * scale + bias) v over the keys mask_TS allows (None: causal), in float32.
+    Grouped-query attention (Ainslie et al. 2023) when G < H: query head h reads key and value
+    head h // (H / G)."""
+    (T, H, K), (S, G, _) = q_THK.shape, k_SGK.shape
     if mask_TS is None:
-        mask_TS = jnp.tril(jnp.ones((q_THK.shape[0], k_SHK.shape[0]), bool))
-    logits_HTS = jnp.einsum("THK,SHK->HTS", q_THK, k_SHK, preferred_element_type=jnp.float32)
-    logits_HTS = jnp.where(mask_TS, scale * logits_HTS, jnp.finfo(jnp.float32).min)
-    probs_HTS = jax.nn.softmax(logits_HTS, axis=-1).astype(v_SHK.dtype)
-    return jnp.einsum("HTS,SHK->THK", probs_HTS, v_SHK)
+        mask_TS = jnp.tril(jnp.ones((T, S), bool))
+    q_TGRK = q_THK.reshape(T, G, H // G, K)
+    logits_GRTS = jnp.einsum("TGRK,SGK->GRTS", q_TGRK, k_SGK, preferred_element_type=jnp.float32)
+    logits_HTS = scale * logits_GRTS.reshape(H, T, S)
+    if bias_HTS is not None:
+        logits_HTS = logits_HTS + bias_HTS
+    logits_HTS = jnp.where(mask_TS, logits_HTS, jnp.finfo(jnp.float32).min)
+    probs_GRTS = jax.nn.softmax(logits_HTS, axis=-1).astype(v_SGK.dtype).reshape(G, -1, T, S)
+    return jnp.einsum("GRTS,SGK->TGRK", probs_GRTS, v_SGK).reshape(T, H, K)
+
+
+class Positions(NamedTuple):
+    """Where the T queries and S keys of a forward sit, built once for all blocks (GPT.positions):
+    RoPE's tables (None with ALiBi), and a mask only where a KV cache makes S differ from T."""
+    q_T: Array
+    k_S: Array
+    q_rope: tuple[Array, Array] | None
+    k_rope: tuple[Array, Array] | None
+    mask_TS: Array | None  # None: causal, the queries and keys are the same T tokens
+
+
+class KVCache(NamedTuple):
+    """One layer's keys and values (L in front: every layer's) at positions 0..S-1 before the
+    QK-norm and RoPE, which are applied again at every step. SharedKV keeps only the values."""
+    k: Array | None
+    v: Array
 
 
 class Attention(eqx.Module):
-    qkv: Float[Array, "D 3 H K"]
+    # the projections, heads along one axis: H query heads, then G key heads and G value heads
+    # (SharedKV: G value heads only; its keys are the values)
+    qkv: Float[Array, "D N K"]
     out: Float[Array, "H K D"]
     q_norm: Float[Array, "K"]
     k_norm: Float[Array, "K"]
     scale: float = eqx.field(static=True)  # attention logit multiplier: cfg.attn_scale
-    rope_base: float = eqx.field(static=True)
+    kv_heads: int = eqx.field(static=True)  # G
+    shared_kv: bool = eqx.field(static=True)
+    alibi: bool = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
     # fused versions of attend and qk_norm_rope that kernels.select checked against them, or None
     fast_attend: Callable | None = eqx.field(static=True)
     fast_qk_norm_rope: Callable | None = eqx.field(static=True)
 
     def __init__(self, cfg: Config, fast: dict[str, Callable]):
-        D, H, K = cfg.d_model, cfg.n_head, cfg.head_dim
-        self.qkv, self.out = jnp.zeros((D, 3, H, K)), jnp.zeros((H, K, D))
+        D, H, G, K = cfg.d_model, cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.shared_kv = cfg.attention == "sharedkv"
+        self.qkv = jnp.zeros((D, H + (1 if self.shared_kv else 2) * G, K))
+        self.out = jnp.zeros((H, K, D))
         self.q_norm, self.k_norm = jnp.ones(K), jnp.ones(K)
-        self.scale, self.rope_base, self.dtype = cfg.attn_scale, cfg.rope_base, cfg.compute_dtype
+        self.scale, self.kv_heads, self.alibi = cfg.attn_scale, G, cfg.position == "alibi"
+        self.dtype = cfg.compute_dtype
         self.fast_attend, self.fast_qk_norm_rope = fast.get("attend"), fast.get("qk_norm_rope")
 
-    def __call__(self, x_TD: Array, rope_TK2: tuple[Array, Array],
-                 cache: Callable | None = None) -> Array:
-        """rope_TK2: GPT.rope's tables. cache: sample.py's KV cache, a function that stores these
-        keys and values, returning the cache's (S, H, K) ones and the (T, S) mask of those seen."""
-        qkv_T3HK = jnp.einsum("TD,DCHK->TCHK", x_TD, self.qkv.astype(self.dtype))
-        cos_TK2, sin_TK2 = rope_TK2
+    def project(self, xs_TD: tuple[Array, ...]) -> list[Array]:
+        """[q_THK, k_TGK, v_TGK] (SharedKV: [q, v, v]) from one input, or from MUDD's one input
+        per projection (queries', keys', values' streams)."""
+        H, G = self.out.shape[0], self.kv_heads
+        splits = [H] if self.shared_kv else [H, H + G]
+        w_DNK = self.qkv.astype(self.dtype)
+        if len(xs_TD) == 1:  # one matmul for all heads
+            parts = jnp.split(jnp.einsum("TD,DNK->TNK", xs_TD[0], w_DNK), splits, axis=1)
+        else:
+            w_parts = jnp.split(w_DNK, splits, axis=1)
+            parts = [jnp.einsum("TD,DNK->TNK", x, w) for x, w in zip(xs_TD, w_parts)]
+        return [parts[0], parts[1], parts[1]] if self.shared_kv else parts
+
+    def __call__(self, xs_TD: tuple[Array, ...], at: Positions,
+                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+        """The attention output (T, D), and the cache with these tokens' keys and values written
+        at their positions (sample.py's decoding; None in training)."""
+        q_THK, k_TGK, v_TGK = self.project(xs_TD)
+        if cache is not None:
+            write = lambda c, new: jax.lax.dynamic_update_slice_in_dim(c, new, at.q_T[0], 0)
+            v_SGK = write(cache.v, v_TGK)
+            k_SGK = v_SGK if self.shared_kv else write(cache.k, k_TGK)
+            cache = KVCache(None if self.shared_kv else k_SGK, v_SGK)
+            k_TGK, v_TGK = k_SGK, v_SGK
         norm_rope = self.fast_qk_norm_rope or qk_norm_rope
-        q_THK, k_THK, v_THK = norm_rope(qkv_T3HK, self.q_norm, self.k_norm, cos_TK2, sin_TK2)
+        q_THK, k_SGK = norm_rope(q_THK, k_TGK, self.q_norm, self.k_norm, at.q_rope, at.k_rope)
+        bias_HTS = None
+        if self.alibi:  # -m_h (i - j) for query position i and key position j
+            slopes_H = alibi_slopes(q_THK.shape[1])
+            bias_HTS = -slopes_H[:, None, None] * (at.q_T[:, None] - at.k_S[None, :])
         if TAPS:  # the causal logits, for mup.py
-            logits_HTT = self.scale * jnp.einsum("THK,SHK->HTS", q_THK, k_THK)
-            tap("attn_logits", logits_HTT[:, *jnp.tril_indices(len(x_TD))])
-        k_SHK, v_SHK, mask_TS = (k_THK, v_THK, None) if cache is None else cache(k_THK, v_THK)
-        o_THK = (self.fast_attend or attend)(q_THK, k_SHK, v_SHK, self.scale, mask_TS)
-        return tap("attn_out", jnp.einsum("THK,HKD->TD", o_THK, self.out.astype(self.dtype)))
+            keys_SHK = jnp.repeat(k_SGK, q_THK.shape[1] // k_SGK.shape[1], axis=1)
+            logits_HTT = self.scale * jnp.einsum("THK,SHK->HTS", q_THK, keys_SHK)
+            tap("attn_logits", logits_HTT[:, *jnp.tril_indices(len(q_THK))])
+        attend_fn = self.fast_attend or attend
+        o_THK = attend_fn(q_THK, k_SGK, v_TGK, self.scale, at.mask_TS, bias_HTS)
+        return tap("attn_out", jnp.einsum("THK,HKD->TD", o_THK, self.out.astype(self.dtype))), cache
 
 
 class MLP(eqx.Module):
@@ -151,10 +218,42 @@ class Block(eqx.Module):
         self.attn, self.mlp = Attention(cfg, fast), MLP(cfg, fast)
         self.branch_mult = 1 / cfg.depth_mult
 
-    def __call__(self, x_TD: Array, rope_TK2: tuple[Array, Array],
-                 cache: Callable | None = None) -> Array:
-        x_TD = x_TD + self.branch_mult * self.attn(rms_norm(x_TD, self.attn_norm), rope_TK2, cache)
-        return tap("resid", x_TD + self.branch_mult * self.mlp(rms_norm(x_TD, self.mlp_norm)))
+    def __call__(self, xs_TD: tuple[Array, ...], at: Positions,
+                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+        """xs_TD: the residual stream (x,), or MUDD's streams for the queries, (keys,) values and
+        the residual. Returns the new residual stream and the layer's cache (Attention's)."""
+        *streams, x_TD = xs_TD
+        normed = tuple(rms_norm(s, self.attn_norm) for s in streams or [x_TD])
+        attn_TD, cache = self.attn(normed, at, cache)
+        x_TD = x_TD + self.branch_mult * attn_TD
+        x_TD = x_TD + self.branch_mult * self.mlp(rms_norm(x_TD, self.mlp_norm))
+        return tap("resid", x_TD), cache
+
+
+class Connections(eqx.Module):
+    """MUDD's dynamic dense connections after block i (Xiao et al. 2025, arXiv 2502.12170): per
+    token, weights A (C, J) = GELU(RMSNorm(X_i+1) W1) W2 + b of the J = i + 2 states so far (the
+    embedding, each block's output), one weighted sum per stream (C: Attention's inputs and the
+    residual; 1 after the last block). W2 = 0 and b one-hot on X_i+1 at init: the baseline."""
+    w1: Float[Array, "D CJ"]
+    w2: Float[Array, "CJ CJ"]
+    b: Float[Array, "C J"]  # stored as b minus the one-hot, so every parameter starts at 0 mean
+
+    def __init__(self, cfg: Config, i: int):
+        C = (3 if cfg.attention == "sharedkv" else 4) if i < cfg.n_layer - 1 else 1
+        J = i + 2
+        self.w1, self.w2 = jnp.zeros((cfg.d_model, C * J)), jnp.zeros((C * J, C * J))
+        self.b = jnp.zeros((C, J))
+
+    def __call__(self, states_JTD: list[Array]) -> tuple[Array, ...]:
+        (C, J), x_TD = self.b.shape, states_JTD[-1]
+        h_TM = gelu(jnp.einsum("TD,DM->TM", rms_norm(x_TD, None), self.w1.astype(x_TD.dtype)))
+        a_TCJ = jnp.einsum("TM,MN->TN", h_TM, self.w2.astype(x_TD.dtype)).reshape(-1, C, J)
+        a_TCJ = a_TCJ + self.b + jnp.eye(J)[-1]
+        # sums of products rather than an einsum over the stacked states: the backward then keeps
+        # the states (alive anyway), not a stacked copy per layer (L^2 T D memory)
+        return tuple(sum(a_TCJ[:, c, j, None] * x for j, x in enumerate(states_JTD))
+                     for c in range(C))
 
 
 class Embeddings(eqx.Module):  # the readout stored like embed, so that eqx.nn.Shared can tie them
@@ -172,9 +271,11 @@ REMAT_POLICIES = {
 class GPT(eqx.Module):
     emb: Embeddings | eqx.nn.Shared  # Shared when cfg.tie_embeddings: one array, two uses
     blocks: Block  # stacked by eqx.filter_vmap: every array has a leading L axis
+    mudd: tuple[Connections, ...] | None  # one per block with cfg.connections="mudd"
     final_norm: Float[Array, "D"] | None
     alpha_in: float = eqx.field(static=True)  # embedding output multiplier
     readout_mult: float = eqx.field(static=True)  # alpha_out / m under muP (TP5 Table 3)
+    rope_base: float | None = eqx.field(static=True)  # None: ALiBi, no rotation
     dtype: str = eqx.field(static=True)
     remat: Literal["none", "full", "save_dots"] = eqx.field(static=True)
     unroll: int = eqx.field(static=True)
@@ -187,8 +288,12 @@ class GPT(eqx.Module):
         if cfg.tie_embeddings:
             self.emb = eqx.nn.Shared(self.emb, where=lambda e: e.unembed, get=lambda e: e.embed)
         self.blocks = eqx.filter_vmap(lambda _: Block(cfg, fast or {}))(jnp.arange(cfg.n_layer))
+        self.mudd = None
+        if cfg.connections == "mudd":
+            self.mudd = tuple(Connections(cfg, i) for i in range(cfg.n_layer))
         self.final_norm = jnp.ones(D) if cfg.norm_gain else None
         self.alpha_in, self.readout_mult = cfg.alpha_in, cfg.alpha_out / cfg.width_mult
+        self.rope_base = cfg.rope_base if cfg.position == "rope" else None
         self.dtype, self.remat, self.unroll = cfg.compute_dtype, cfg.remat, cfg.scan_unroll
 
     def embeddings(self) -> Embeddings:
@@ -196,21 +301,38 @@ class GPT(eqx.Module):
 
     def __call__(self, tokens_T: Int[Array, "T"]) -> Float[Array, "T V"]:
         """Logits in float32 for one sequence."""
-        return self.logits(self.hidden(tokens_T))
+        return self.logits(self.hidden(tokens_T)[0])
 
-    def hidden(self, tokens_T: Int[Array, "T"]) -> Array:
-        """The residual stream after the last block. The L blocks run by lax.scan over the stacked
-        parameters: compile time does not grow with depth. sample.py runs them with a KV cache."""
+    def hidden(self, tokens_T: Int[Array, "T"], start=0,
+               cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+        """The stream after the last block for tokens at positions start.., and sample.py's KV
+        cache (L in front) with them written. The blocks run by lax.scan over the stacked
+        parameters (compile time does not grow with depth), except with MUDD: each block reads
+        every earlier state, which a single-carry scan cannot hold without a copy of the whole
+        history per layer; a Python loop keeps each state once, for a compile time that grows
+        with depth."""
+        S = None if cache is None else cache.v.shape[1]
+        at = self.positions(start + jnp.arange(tokens_T.shape[0]), S)
         params, static = eqx.partition(self.blocks, eqx.is_array)
-        rope_TK2 = self.rope(jnp.arange(tokens_T.shape[0]))
 
-        def layer(x_TD, block_params):
-            return eqx.combine(block_params, static)(x_TD, rope_TK2), None
+        def layer(xs_TD, inputs):
+            block_params, layer_cache = inputs
+            return eqx.combine(block_params, static)(xs_TD, at, layer_cache)
 
         if self.remat != "none":  # prevent_cse=False is safe inside scan (jax.checkpoint's docs)
             policy = REMAT_POLICIES[self.remat]
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        return jax.lax.scan(layer, self.embed(tokens_T), params, unroll=self.unroll)[0]
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=self.mudd is not None)
+        x_TD = self.embed(tokens_T)
+        if self.mudd is None:
+            step = lambda x_TD, inputs: layer((x_TD,), inputs)
+            return jax.lax.scan(step, x_TD, (params, cache), unroll=self.unroll)
+        states, xs_TD, caches = [x_TD], (x_TD,), []
+        for i, connect in enumerate(self.mudd):
+            x_TD, layer_cache = layer(xs_TD, jax.tree.map(lambda a: a[i], (params, cache)))
+            states.append(x_TD)
+            caches.append(layer_cache)
+            xs_TD = connect(states)
+        return xs_TD[0], None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
 
     def embed(self, tokens_T: Int[Array, "T"]) -> Array:
         return tap("embed", self.alpha_in * self.embeddings().embed[tokens_T].astype(self.dtype))
@@ -223,10 +345,24 @@ class GPT(eqx.Module):
         logits_TV = jnp.einsum("TD,VD->TV", h_TD, unembed_VD).astype(jnp.float32)
         return tap("logits", self.readout_mult * logits_TV)
 
-    def rope(self, pos_T: Array) -> tuple[Array, Array]:
-        """RoPE's tables at these positions, for every block."""
+    def positions(self, q_T: Array, S: int | None = None) -> Positions:
+        """Positions of queries at q_T; keys at the same ones, or with a KV cache of S positions
+        at 0..S-1, a mask hiding those after each query."""
+        k_S = q_T if S is None else jnp.arange(S)
+        mask_TS = None if S is None else k_S[None, :] <= q_T[:, None]
+        if self.rope_base is None:
+            return Positions(q_T, k_S, None, None, mask_TS)
+        K = self.blocks.attn.out.shape[2]
+        q_rope = rope_table(q_T, K, self.rope_base)
+        k_rope = q_rope if S is None else rope_table(k_S, K, self.rope_base)
+        return Positions(q_T, k_S, q_rope, k_rope, mask_TS)
+
+    def empty_cache(self, S: int) -> KVCache:
+        """sample.py's KV cache of S positions: zeros, L in front."""
         attn = self.blocks.attn
-        return rope_table(pos_T, attn.qkv.shape[-1], attn.rope_base)
+        (L, _, K, _), G = attn.out.shape, attn.kv_heads
+        zeros = jnp.zeros((L, S, G, K), self.dtype)
+        return KVCache(None if attn.shared_kv else zeros, zeros)
 
 
 def init_gpt(cfg: Config, key: Array, fast: dict[str, Callable] | None = None) -> GPT:
@@ -283,7 +419,7 @@ def policy_rows(cfg: Config) -> dict[str, Policy]:
         # (vector-like: one dim grows). Tied, the shared array keeps emb.embed's row.
         "emb.unembed": Policy(0.0, 1.0, decay=True, spec=(None, "fsdp"), eps_mult=1 / m),
         # hidden matrices: init std 1/sqrt(fan_in), LR lr / m
-        "blocks.attn.qkv": Policy(1 / math.sqrt(D), spec=("fsdp", None, None, None), **hidden),
+        "blocks.attn.qkv": Policy(1 / math.sqrt(D), spec=("fsdp", None, None), **hidden),
         "blocks.attn.out": Policy(1 / math.sqrt(D), spec=(None, None, "fsdp"), **hidden),
         "blocks.mlp.up": Policy(1 / math.sqrt(D), spec=("fsdp", None), **hidden),
         "blocks.mlp.down": Policy(1 / math.sqrt(F), spec=(None, "fsdp"), **hidden),
@@ -295,6 +431,14 @@ def policy_rows(cfg: Config) -> dict[str, Policy]:
         "blocks.mlp_norm": Policy(0.0, spec=(None,), **gain),
         # the final RMSNorm's gain: outside the blocks, so no branch scale in its gradient
         "final_norm": Policy(0.0, spec=(None,), **{**gain, "eps_mult": 1 / m}),
+        # MUDD's connections, outside the blocks' branches. W1: fan-in D grows with width, fan-out
+        # fixed, like a readout: LR lr / m keeps its output's update O(1); its init output may be
+        # O(1), as W2 = 0 makes A independent of it at init. W2 and b: finite in both dimensions
+        # (vector-like [TP5]); b, the connections' static part, is not decayed. Their gradients
+        # are sums over the D coordinates of the streams': O(1), so eps is not scaled.
+        "mudd.w1": Policy(1 / math.sqrt(D), 1 / m, decay=True, spec=("fsdp", None)),
+        "mudd.w2": Policy(0.0, 1.0, decay=True, spec=(None, None)),
+        "mudd.b": Policy(0.0, 1.0, decay=False, spec=(None, None)),
     }
 
 
@@ -346,5 +490,8 @@ def flops_per_token(model: GPT, T: int) -> float:
     arrays = jax.tree.leaves(eqx.filter(model.blocks, is_param))
     N = sum(math.prod(x.shape) for x in arrays if len(x.shape) >= 3)  # (L, ...) matrices
     N += math.prod(model.embeddings().unembed.shape)
+    D = model.embeddings().unembed.shape[1]
+    for c in model.mudd or ():  # MUDD: W1, W2, and C x J weights of a D-vector per token
+        N += c.w1.size + c.w2.size + c.b.size * D
     L, H, K, _ = model.blocks.attn.out.shape
     return 6 * N + 12 * L * H * K * T

@@ -16,7 +16,6 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -26,48 +25,15 @@ from etils import epath
 
 import data
 from configs import Config, UsageError
-from model import GPT, init_gpt
+from model import GPT, KVCache, init_gpt
 
 
-class Cache(NamedTuple):
-    """Each layer's keys (RoPE already applied) and values of one sequence at positions 0..S-1."""
-    k_LSHK: jax.Array
-    v_LSHK: jax.Array
-
-
-def empty_cache(model: GPT, S: int) -> Cache:
-    L, _, _, H, K = model.blocks.attn.qkv.shape
-    zeros = jnp.zeros((L, S, H, K), model.dtype)
-    return Cache(zeros, zeros)
-
-
-def extend(model: GPT, cache: Cache, tokens_T: jax.Array, start) -> tuple[jax.Array, Cache]:
+def extend(model: GPT, cache: KVCache, tokens_T: jax.Array, start) -> tuple[jax.Array, KVCache]:
     """Run tokens_T at positions start..start+T-1 through the blocks, writing their keys and values
     into the cache there; each attends to the cache's positions up to its own. Serves the prefill
-    (T = S, start 0) and each decode step (T = 1) by running Block.__call__ with a cache function,
-    so training and decoding cannot drift apart. Returns the last block's output."""
-    pos_T = start + jnp.arange(tokens_T.shape[0])
-    # Later positions are stale or empty, earlier ones this sequence's past: a causal mask by
-    # position (not is_causal, which aligns queries to keys from 0: true only in the prefill).
-    mask_TS = jnp.arange(cache.k_LSHK.shape[1])[None, :] <= pos_T[:, None]
-    rope_TK2 = model.rope(pos_T)
-    params, static = eqx.partition(model.blocks, eqx.is_array)
-
-    def layer(x_TD, inputs):
-        block_params, k_SHK, v_SHK = inputs
-        written = []
-
-        def write(k_THK, v_THK):  # this layer's keys and values into its cache at `start`
-            for c, new in ((k_SHK, k_THK), (v_SHK, v_THK)):
-                written.append(jax.lax.dynamic_update_slice_in_dim(c, new, start, axis=0))
-            return *written, mask_TS
-
-        return eqx.combine(block_params, static)(x_TD, rope_TK2, write), tuple(written)
-
-    # Not unrolled (model.unroll is for training): train.py's preview compiles generate (three of
-    # these scans) in every run, which unrolling slows for a preview's few tokens (BENCHMARKS.md).
-    x_TD, (k_LSHK, v_LSHK) = jax.lax.scan(layer, model.embed(tokens_T), (params, *cache))
-    return x_TD, Cache(k_LSHK, v_LSHK)
+    (T = S, start 0) and each decode step (T = 1) by model.hidden itself, so training and decoding
+    cannot drift apart. Returns the last block's output and the cache."""
+    return model.hidden(tokens_T, start, cache)
 
 
 def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: int,
@@ -116,7 +82,7 @@ def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.A
         keys_B = jax.vmap(jax.random.fold_in, (0, None))(sample_keys_B, i)
         return pick_B(logits_BV, keys_B, temperature)
 
-    x_SD, cache = extend(model, empty_cache(model, S), prompt_S, 0)
+    x_SD, cache = extend(model, model.empty_cache(S), prompt_S, 0)
     logits_V = model.logits(jax.lax.dynamic_slice_in_dim(x_SD, n_prompt - 1, 1))[0]
     first_B = draw(jnp.broadcast_to(logits_V, (B, *logits_V.shape)), 0)
     cache_B = jax.tree.map(lambda c: jnp.broadcast_to(c, (B, *c.shape)), cache)

@@ -107,7 +107,7 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> jax.Ar
     and the loss a group of sequences at a time, recomputed in the backward pass (jax.checkpoint),
     so the float32 (B, T, V) logits never exist whole."""
     chunks = cfg.loss_chunks
-    h_BTD = jax.vmap(model.hidden)(x_BT)
+    h_BTD, _ = jax.vmap(model.hidden)(x_BT)
 
     def chunk_loss(h_btD, y_bt):
         logits_btV = jax.vmap(model.logits)(h_btD)

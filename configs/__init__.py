@@ -37,6 +37,15 @@ class Config:
     # learned RMSNorm gains; off by default: they break muP transfer (Lingle 2024)
     norm_gain: bool = False
     rope_base: float = 10000.0
+    # The seeds' variants (docs/variants.md). "sharedkv": no key projection, the keys are the
+    # values QK-normed and rotated (clankur/mugpt, sharedkv.md): half the KV cache.
+    attention: Literal["mha", "sharedkv"] = "mha"
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+    # "alibi": no RoPE; logits biased by -m_h (i - j) (Press et al. 2022), for longer contexts
+    position: Literal["rope", "alibi"] = "rope"
+    # "mudd": each block reads every earlier state through MUDD's dynamic dense connections
+    # (Xiao et al. 2025, Caiyun-AI/MUDDFormer) instead of the residual stream alone
+    connections: Literal["residual", "mudd"] = "residual"
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameters always stay float32
     remat: Literal["none", "full", "save_dots"] = "none"  # what the backward pass recomputes
     scan_unroll: int = 1  # layers per scan iteration; >1 trades compile time for speed
@@ -121,6 +130,10 @@ class Config:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
     def mlp_width(self) -> int:
         return round(self.mlp_ratio * self.d_model)
 
@@ -166,6 +179,10 @@ class Config:
         problems = [
             (self.d_model % self.n_head,
              f"d_model={self.d_model} is not divisible by n_head={self.n_head}"),
+            (not (self.n_kv_head is None or isinstance(self.n_kv_head, int)
+                  and 1 <= self.n_kv_head and self.n_head % self.n_kv_head == 0),
+             f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} "
+             f"(or be none: as many as n_head)"),
             (self.head_dim % 2,
              f"head_dim={self.head_dim} (d_model/n_head) is odd; "
              f"RoPE rotates pairs, so pick an even one"),
@@ -251,6 +268,10 @@ def load(name: str) -> Config:
 
 def parse_value(name: str, kind, text: str):
     """text as the field's type: int, float, bool, str, or one of a Literal's values."""
+    if type(None) in typing.get_args(kind):  # an optional field: "none" unsets it
+        if text.lower() == "none":
+            return None
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
     if typing.get_origin(kind) is typing.Literal:
         if text not in typing.get_args(kind):
             allowed = ", ".join(typing.get_args(kind))

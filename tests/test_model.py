@@ -13,10 +13,13 @@ from conftest import tiny
 
 
 def numpy_forward(gpt: M.GPT, cfg, tokens: np.ndarray) -> np.ndarray:
-    """The GPT written again in plain numpy, with loops and complex-number RoPE."""
+    """The GPT written again in plain numpy from the papers' equations, with loops and
+    complex-number RoPE: grouped-query and SharedKV attention, ALiBi, MUDD connections."""
     p = jax.tree.map(np.asarray, eqx.filter(gpt, eqx.is_array))
     emb = p.emb.pytree if cfg.tie_embeddings else p.emb
-    T, K = len(tokens), cfg.head_dim
+    T, K, H = len(tokens), cfg.head_dim, cfg.n_head
+    G = cfg.n_kv_head or H
+    shared = cfg.attention == "sharedkv"
 
     def rms(x):
         return x / np.sqrt(np.mean(x**2, axis=-1, keepdims=True) + 1e-6)
@@ -30,23 +33,50 @@ def numpy_forward(gpt: M.GPT, cfg, tokens: np.ndarray) -> np.ndarray:
         z = (x[..., :K // 2] + 1j * x[..., K // 2:]) * np.exp(1j * np.arange(T)[:, None, None] * theta)
         return np.concatenate([z.real, z.imag], axis=-1)
 
-    x = emb.embed[tokens]
-    for layer in range(cfg.n_layer):
-        b = jax.tree.map(lambda a: a[layer], p.blocks)
-        h = rms(x)
-        q, k, v = (np.einsum("td,dhk->thk", h, b.attn.qkv[:, i]) for i in range(3))
-        q, k = rope(ln(q, b.attn.q_norm)), rope(ln(k, b.attn.k_norm))
+    def gelu(u):
+        return 0.5 * u * (1 + np.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
+
+    # ALiBi's slopes for a power-of-two H (Press et al. 2022, section 3): 2^(-8/H), 2^(-16/H), ...
+    slopes = [2 ** (-8 * (h + 1) / H) for h in range(H)] if cfg.position == "alibi" else [0] * H
+
+    def attention(b, xq, xk, xv):
+        w = b.attn.qkv  # (D, heads, K): H query heads, [G key heads,] G value heads
+        q = np.einsum("td,dhk->thk", xq, w[:, :H])
+        v = np.einsum("td,dhk->thk", xv, w[:, H:] if shared else w[:, H + G:])
+        k = v if shared else np.einsum("td,dhk->thk", xk, w[:, H:H + G])  # SharedKV: keys = values
+        q, k = ln(q, b.attn.q_norm), ln(k, b.attn.k_norm)
+        if cfg.position == "rope":
+            q, k = rope(q), rope(k)
         out = np.zeros_like(q)
         for t in range(T):
-            for hd in range(cfg.n_head):
-                s = np.array([q[t, hd] @ k[u, hd] for u in range(t + 1)]) / math.sqrt(K)
-                w = np.exp(s - s.max())
-                out[t, hd] = (w / w.sum()) @ v[:t + 1, hd]
-        x = x + np.einsum("thk,hkd->td", out, b.attn.out)
-        u = rms(x) @ b.mlp.up
-        gelu = 0.5 * u * (1 + np.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u**3)))
-        x = x + gelu @ b.mlp.down
-    return rms(x) @ (emb.embed if cfg.tie_embeddings else emb.unembed).T
+            for hd in range(H):
+                g = hd // (H // G)  # the query head's key/value head
+                s = np.array([q[t, hd] @ k[u, g] * cfg.attn_scale - slopes[hd] * (t - u)
+                              for u in range(t + 1)])
+                w_ = np.exp(s - s.max())
+                out[t, hd] = (w_ / w_.sum()) @ v[:t + 1, g]
+        return np.einsum("thk,hkd->td", out, b.attn.out)
+
+    x = cfg.alpha_in * emb.embed[tokens]
+    states, streams = [x], [x] * (3 if shared else 4)  # MUDD: queries', [keys',] values', residual
+    for layer in range(cfg.n_layer):
+        b = jax.tree.map(lambda a: a[layer], p.blocks)
+        if cfg.connections == "mudd":
+            *inputs, x = streams
+            xq, xk, xv = (inputs[0], None, inputs[1]) if shared else inputs
+        else:
+            xq = xk = xv = x
+        x = x + attention(b, rms(xq), rms(xk) if xk is not None else None, rms(xv)) / cfg.depth_mult
+        x = x + gelu(rms(x) @ b.mlp.up) @ b.mlp.down / cfg.depth_mult
+        if cfg.connections == "mudd":  # A = GELU(RMSNorm(X) W1) W2 + b, b one-hot + offset
+            c = p.mudd[layer]
+            states.append(x)
+            C, J = c.b.shape
+            a = (gelu(rms(x) @ c.w1) @ c.w2).reshape(T, C, J) + c.b + np.eye(J)[J - 1]
+            streams = [sum(a[:, s, j, None] * states[j] for j in range(J)) for s in range(C)]
+            x = streams[-1]
+    readout = emb.embed if cfg.tie_embeddings else emb.unembed
+    return rms(x) @ readout.T * cfg.alpha_out / cfg.width_mult
 
 
 def random_gpt(cfg, seed=0, fast=None):
@@ -84,14 +114,15 @@ def test_rope_depends_on_relative_position_only():
     cfg = tiny(d_model=32, n_head=2)
     attn = jax.tree.map(lambda a: a[0], random_gpt(cfg).blocks.attn)
     x = jax.random.normal(jax.random.key(3), (16, cfg.d_model))
+    q, k, _ = attn.project((x,))
+    table = lambda pos: M.rope_table(pos, 16, 1e4)
     pos = jnp.arange(16)
-    qkv = jnp.einsum("td,dchk->tchk", x, attn.qkv)
-    q0, k0, _ = M.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, *M.rope_table(pos, 16, 1e4))
-    q1, k1, _ = M.qk_norm_rope(qkv, attn.q_norm, attn.k_norm, *M.rope_table(pos + 1000, 16, 1e4))
+    q0, k0 = M.qk_norm_rope(q, k, attn.q_norm, attn.k_norm, table(pos), table(pos))
+    q1, k1 = M.qk_norm_rope(q, k, attn.q_norm, attn.k_norm, table(pos + 1000), table(pos + 1000))
     scores = lambda q, k: jnp.einsum("thk,shk->hts", q, k)
     np.testing.assert_allclose(scores(q0, k0), scores(q1, k1), rtol=1e-4, atol=1e-4)
-    table = lambda pos: M.rope_table(pos, 16, 1e4)
-    np.testing.assert_allclose(attn(x, table(pos)), attn(x, table(pos + 1000)), rtol=1e-4, atol=1e-4)
+    at = lambda pos: M.Positions(pos, pos, table(pos), table(pos), None)
+    np.testing.assert_allclose(attn((x,), at(pos))[0], attn((x,), at(pos + 1000))[0], rtol=1e-4, atol=1e-4)
     assert not np.allclose(q0, q1, atol=1e-2)  # absolute positions do change q: the rotation is there
 
 
@@ -262,7 +293,8 @@ def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
     line = capsys.readouterr().err.splitlines()[0]
     assert line.startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, model.qk_norm_rope "
                            "runs instead: its output differs by ")
-    monkeypatch.setattr(M, "attend", lambda q, k, v, scale, mask=None: plain_attend(q, k, v, 2 * scale, mask))
+    monkeypatch.setattr(M, "attend", lambda q, k, v, scale, mask=None, bias=None:
+                        plain_attend(q, k, v, 2 * scale, mask, bias))
     assert set(kernels.select(cfg)) == {"gelu"}
     assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().err
     assert kernels.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed

@@ -1,7 +1,8 @@
 """Run by test_train.py in a subprocess with N simulated devices: one train step of a tiny model,
 saving the loss, the gradients and the updated parameters to an .npz, and asserting that every
 FSDP-sharded parameter is split N ways. A 4th argument "kernels": every fast path of kernels.py
-applies (Pallas in its interpreter, attention by jax's XLA version), as on a GPU."""
+applies (Pallas in its interpreter, attention by jax's XLA version), as on a GPU; FIELD=VALUE
+arguments after it override the config (the variants)."""
 import sys
 
 import jax
@@ -12,13 +13,15 @@ import equinox as eqx  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
+import configs  # noqa: E402
 import train  # noqa: E402
 from conftest import tiny  # noqa: E402
 from model import Policy, policy_table  # noqa: E402
 
 n, out = int(sys.argv[1]), sys.argv[2]
 cfg = tiny(d_model=64, n_head=4, batch_size=16, mesh_replica=int(sys.argv[3]) if len(sys.argv) > 3 else 1)
-if sys.argv[4:] == ["kernels"]:
+cfg = configs.apply_overrides(cfg, [f"--config.{a}" for a in sys.argv[4:] if "=" in a])
+if "kernels" in sys.argv[4:]:
     import dataclasses
     import kernels
     kernels.ROWS = 8

@@ -1,0 +1,134 @@
+"""The seeds' variants (grouped-query and SharedKV attention, ALiBi, MUDD connections) against the
+numpy reference written from the papers' equations, their KV caches, FSDP and resume."""
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model as M
+from conftest import ROOT, TINY_RUN, run, tiny
+from test_checkpoint import env, final_state, launch_args, records, tiny_config  # noqa: F401
+from test_model import numpy_forward, random_gpt
+
+VARIANTS = {
+    "gqa": dict(n_kv_head=2),
+    "mqa": dict(n_kv_head=1),
+    "sharedkv": dict(attention="sharedkv"),
+    "sharedkv_gqa": dict(attention="sharedkv", n_kv_head=2),
+    "alibi": dict(position="alibi"),
+    "mudd": dict(connections="mudd"),
+    "mudd_sharedkv": dict(connections="mudd", attention="sharedkv"),
+    "all": dict(connections="mudd", attention="sharedkv", n_kv_head=2, position="alibi"),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variant_matches_numpy_reference(name):
+    """Every parameter random (MUDD's W2 and b too, so its streams differ), under muP with
+    CompleteP's branch scale and an input multiplier, so that no factor hides."""
+    cfg = tiny(n_layer=2, n_head=4, d_model=32, param="mup", d_base=16, depth_base=1,
+               alpha_in=1.5, **VARIANTS[name])
+    gpt = random_gpt(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 12)
+    want = numpy_forward(gpt, cfg, tokens)
+    np.testing.assert_allclose(np.asarray(gpt(jnp.asarray(tokens))), want, rtol=2e-4, atol=2e-4)
+
+
+def test_alibi_slopes_are_the_papers():
+    """Press et al. 2022: for 8 heads 1/2, 1/4, ..., 1/256; for 6, not a power of two, the 4-head
+    slopes then every other one of the 8-head slopes (their code's interleaving)."""
+    np.testing.assert_allclose(M.alibi_slopes(8), [2.0 ** -i for i in range(1, 9)], rtol=1e-6)
+    want6 = [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3]
+    np.testing.assert_allclose(M.alibi_slopes(6), want6, rtol=1e-6)
+
+
+def test_mudd_at_init_is_the_baseline_and_its_weights_matter():
+    """W2 = 0 and b one-hot on the newest state: each stream is that state, so MUDD's model is
+    the residual one with the same blocks (to float32 rounding: its projections of the three
+    streams are three matmuls, the baseline's one); random W2 make it another function."""
+    base_cfg = tiny(n_layer=3, n_head=4, d_model=32)
+    base = random_gpt(base_cfg)
+    mudd = M.init_gpt(dataclasses.replace(base_cfg, connections="mudd"), jax.random.key(5))
+    mudd = eqx.tree_at(lambda m: (m.emb, m.blocks), mudd, (base.emb, base.blocks))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 65, 16))
+    np.testing.assert_allclose(mudd(tokens), base(tokens), rtol=1e-5, atol=1e-5)
+    w2 = [jax.random.normal(jax.random.key(i), c.w2.shape) for i, c in enumerate(mudd.mudd)]
+    moved = eqx.tree_at(lambda m: [c.w2 for c in m.mudd], mudd, w2)
+    assert not np.allclose(moved(tokens), base(tokens), atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["gqa", "sharedkv", "alibi", "mudd", "all"])
+def test_kv_cache_decoding_equals_the_full_forward(name):
+    """A prefill of 5 tokens, then single-token steps through GPT.hidden's cache: every position's
+    logits equal the full forward's. SharedKV's cache holds the values only: half of MHA's bytes
+    (and GQA's is G/H of it)."""
+    cfg = tiny(block_size=16, n_head=4, **VARIANTS[name])
+    model = random_gpt(cfg)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 65, 16))
+    want = np.asarray(model(tokens))
+    hidden = eqx.filter_jit(lambda m, t, start, c: m.hidden(t, start, c))
+    x, cache = hidden(model, tokens[:5], 0, model.empty_cache(16))
+    got = [model.logits(x)]
+    for t in range(5, 16):
+        x, cache = hidden(model, tokens[t:t + 1], jnp.int32(t), cache)
+        got.append(model.logits(x))
+    np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-4, atol=1e-4)
+    mha = M.GPT(tiny(block_size=16, n_head=4)).empty_cache(16)
+    nbytes = lambda c: sum(a.nbytes for a in jax.tree.leaves(c))
+    G = cfg.kv_heads / cfg.n_head
+    assert nbytes(model.empty_cache(16)) == nbytes(mha) * G / (2 if "sharedkv" in str(VARIANTS[name]) else 1)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.n_kv_head=3", "n_kv_head=3 must divide n_head=2 (or be none: as many as n_head)"),
+    ("--config.attention=mqa", "--config.attention='mqa': allowed values are mha, sharedkv"),
+    ("--config.position=nope", "--config.position='nope': allowed values are rope, alibi"),
+])
+def test_a_bad_variant_is_one_line(override, message, tmp_path):
+    r = run(["launch.py", *TINY_RUN, f"--rundir={tmp_path / 'run'}", override])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == f"error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    """fsdp_probe.py's step on 1 and on 4 devices, for two sets of variants that together take
+    every code path (SharedKV, ALiBi, MUDD over SharedKV's three streams; GQA, MUDD's four)."""
+    out = {}
+    for variants in (("attention=sharedkv", "position=alibi", "connections=mudd", "n_kv_head=2"),
+                     ("n_kv_head=2", "connections=mudd")):
+        for devices in (1, 4):
+            path = tmp_path_factory.mktemp("fsdp") / f"{devices}.npz"
+            r = run([str(ROOT / "tests/fsdp_probe.py"), str(devices), str(path), "1", *variants])
+            assert r.returncode == 0, r.stderr
+            out[variants, devices] = np.load(path)
+    return out
+
+
+def test_variants_on_4_fsdp_devices_equal_one_device(fsdp_runs):
+    for variants in {v for v, _ in fsdp_runs}:
+        one, four = fsdp_runs[variants, 1], fsdp_runs[variants, 4]
+        assert set(one.files) == set(four.files)
+        for name in one.files:
+            np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{variants}: {name}")
+
+
+def test_a_variant_run_resumes_exactly(shakespeare, tmp_path, env):  # noqa: F811
+    """Every variant at once: 8 steps straight, and 4 then a resume to 8: the same metrics and
+    bitwise the same final parameters and optimizer state."""
+    variants = ["--config.attention=sharedkv", "--config.position=alibi",
+                "--config.connections=mudd", "--config.n_kv_head=1", "--config.ckpt_interval=4",
+                "--config.eval_interval=4"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    for rundir, steps in ((straight, 8), (resumed, 4), (resumed, 8)):
+        r = run(launch_args(rundir, *variants, f"--config.max_steps={steps}"), env)
+        assert r.returncode == 0, r.stderr
+    assert records(resumed) == records(straight)
+    cfg = tiny_config(*variants, "--config.max_steps=8")
+    for a, b in zip(final_state(resumed, cfg), final_state(straight, cfg), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,147 @@
+"""The seeds' variants side by side: docs/variants.md, remade by one command.
+
+    python variants.py [--size=small|large] [--seeds=0,1,2] [--steps=N] [--out=docs/variants]
+
+trains the baseline and each variant (SharedKV, grouped-query attention with n_head / 4 key/value
+heads, MUDD, ALiBi, MUDD + SharedKV) at the quickstart's recipe (configs/shakespeare_char_cpu.py,
+its fast form: two CPU devices, data-parallel) from each seed, on the same tokens, with
+launch.py in a subprocess each (runs/variants/SIZE/VARIANT/sSEED, resumed when rerun). Then it
+evaluates each final model on the same validation batches at 1x, 2x and 4x the training length
+(ALiBi's claim), and writes OUT/SIZE.json (every number, the commit and the settings) and the
+markdown table OUT/SIZE.md, which docs/variants.md includes. "large" is the largest size the
+2-core CPU trains in minutes (width 256, 8 layers; muP carries the LR).
+"""
+import argparse
+import logging
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VARIANTS = {
+    "baseline": [],
+    "sharedkv": ["--config.attention=sharedkv"],
+    "gqa": ["--config.n_kv_head=N_HEAD/4"],
+    "mudd": ["--config.connections=mudd"],
+    "alibi": ["--config.position=alibi"],
+    "mudd+sharedkv": ["--config.connections=mudd", "--config.attention=sharedkv"],
+}
+SIZES = {"small": [], "large": ["--config.d_model=256", "--config.n_head=8", "--config.n_layer=8"]}
+LENGTHS = (1, 2, 4)  # evaluation lengths, in training lengths
+
+
+def overrides(size: str, variant: str, seed: int, steps: int | None) -> list[str]:
+    args = [*SIZES[size], *VARIANTS[variant], f"--config.seed={seed}"]
+    if steps:  # a shorter schedule, for a smoke test of this script
+        args += [f"--config.max_steps={steps}", f"--config.warmup_steps={steps // 10}",
+                 f"--config.eval_interval={steps}"]
+    n_head = int(next((a.split("=")[1] for a in args if a.startswith("--config.n_head=")), 4))
+    return [a.replace("N_HEAD/4", str(max(n_head // 4, 1))) for a in args]
+
+
+def train_run(rundir: Path, args: list[str]) -> None:
+    """launch.py as the README's quickstart runs it; a finished run just says so."""
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+    cmd = [sys.executable, "launch.py", "--config=shakespeare_char_cpu",
+           "--config.mesh_replica=2", f"--rundir={rundir}", *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+
+
+def measure(rundir: Path, args: list[str]) -> dict:
+    """The run's final model: validation loss at each length, its size, FLOPs, KV cache and the
+    training step's time (the median of metrics.jsonl's logged tokens/s)."""
+    import equinox as eqx
+    import jax
+    from etils import epath
+
+    import checkpoint
+    import configs
+    import data
+    import model as M
+    import train
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on a read-only manager
+    cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), args)
+    mesh = train.make_mesh(cfg, jax.devices()[:1])
+    skeleton = M.init_gpt(cfg, jax.random.key(0))
+    mngr = checkpoint.checkpoint_manager(epath.Path(rundir), cfg, read_only=True)
+    gpt = checkpoint.restore_model(mngr, skeleton)
+    tokens = {s: data.load_split(cfg, s) for s in ("train", "val")}
+    val = {}
+    for n in LENGTHS:  # fixed validation batches of each length
+        longer = configs.apply_overrides(cfg, [f"--config.block_size={n * cfg.block_size}",
+                                               "--config.mesh_replica=1"])
+        val[n] = train.evaluate(gpt, longer, tokens["train"], tokens["val"], mesh)["val_loss"]
+    lines = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
+    speeds = [x["tokens_per_s"] for x in lines if x.get("tokens_per_s") and "loss" in x]
+    cache = gpt.empty_cache(1)
+    return {"val_loss": val[1], "val_loss_at": val,
+            "params": sum(x.size for x in jax.tree.leaves(eqx.filter(gpt, eqx.is_array))),
+            "flops_per_token": M.flops_per_token(gpt, cfg.block_size),
+            "kv_cache_bytes_per_token": sum(x.nbytes for x in jax.tree.leaves(cache)),
+            "step_ms": 1e3 * cfg.batch_size * cfg.block_size / statistics.median(speeds)}
+
+
+def table(results: dict, seeds: list[int]) -> str:
+    """Markdown: mean ± std over seeds per variant."""
+    def mean_std(values):
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{statistics.mean(values):.4f} ± {sd:.4f}"
+
+    head = ("| variant | val loss | params | FLOPs/token | step (ms) | KV cache B/token | "
+            + " | ".join(f"val @ {n}x length" for n in LENGTHS[1:]) + " |")
+    rows = [head, "|" + "---|" * (5 + len(LENGTHS))]
+    for variant, runs in results.items():
+        first = runs[str(seeds[0])]
+        cells = [variant, mean_std([r["val_loss"] for r in runs.values()]),
+                 f"{first['params']:,}", f"{first['flops_per_token']:.3g}",
+                 f"{statistics.median(r['step_ms'] for r in runs.values()):.1f}",
+                 str(first["kv_cache_bytes_per_token"])]
+        cells += [mean_std([r["val_loss_at"][str(n)] for r in runs.values()]) for n in LENGTHS[1:]]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", choices=list(SIZES), default="small")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
+    ap.add_argument("--steps", type=int, help="a shorter schedule (a smoke test)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of these")
+    ap.add_argument("--out", default="docs/variants")
+    ap.add_argument("--runs", default="runs/variants", help="where the runs train")
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    names = args.variants.split(",")
+    if unknown := [n for n in names if n not in VARIANTS]:
+        sys.exit(f"error: unknown variant {unknown[0]!r}; the variants: {', '.join(VARIANTS)}")
+    results = {}
+    for variant in names:
+        results[variant] = {}
+        for seed in seeds:
+            run_args = overrides(args.size, variant, seed, args.steps)
+            rundir = ROOT / args.runs / args.size / variant / f"s{seed}"
+            print(f"{variant} seed {seed}: {rundir}", flush=True)
+            train_run(rundir, run_args)
+            results[variant][str(seed)] = measure(rundir, run_args)
+    results = json.loads(json.dumps(results))  # the lengths' keys as the file will hold them
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"command": " ".join(["python variants.py", *(argv or sys.argv[1:])]),
+                "commit": commit, "size": args.size, "seeds": seeds, "steps": args.steps,
+                "overrides": {v: overrides(args.size, v, 0, args.steps) for v in names}}
+    (out / f"{args.size}.json").write_text(json.dumps({"settings": settings,
+                                                       "results": results}, indent=1))
+    (out / f"{args.size}.md").write_text(table(results, seeds))
+    print(table(results, seeds))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,15 @@
 """Generate text from a run:
     python sample.py --rundir=DIR [--start=TEXT | --start=FILE:path] [--step=S]
     [--num_samples=N] [--max_new_tokens=N] [--temperature=T] [--top_k=K] [--top_p=P] [--seed=S]
+    [--context=N]
 
-Decoding keeps a key/value cache of block_size positions and runs in one jitted lax.scan, one
-token per step for all samples at once. The model was trained on block_size positions, so that is
-its context: a longer prompt keeps its last block_size tokens, and when the cache is full the
-window slides by half: the last block_size // 2 tokens are run again from position 0 (a fresh
-cache) and generation goes on, so every new token sees block_size // 2 to block_size tokens.
+Decoding keeps a key/value cache of S positions (--context, default block_size: the model was
+trained on those) and runs in one jitted lax.scan, one token per step for all samples at once. A
+longer prompt keeps its last S tokens, and when the cache is full the window slides by half: the
+last S // 2 tokens are run again from position 0 (a fresh cache) and generation goes on, so every
+new token sees S // 2 to S tokens.
 
-Shapes as in model.py, plus S cache positions (block_size) and N new tokens per sample."""
+Shapes as in model.py, plus S cache positions (--context) and N new tokens per sample."""
 import argparse
 import json
 import logging
@@ -210,17 +211,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
     ap.add_argument("--start", default="\n",
                     help="the prompt, or FILE:path to read it from a file (default a newline); "
-                         "of a prompt longer than block_size, the last block_size tokens are kept")
+                         "of a prompt longer than the context, its last tokens are kept")
     ap.add_argument("--num_samples", type=int, default=3)
     ap.add_argument("--max_new_tokens", type=int, default=500,
                     help="tokens to generate per sample; "
-                         "past block_size the window slides by block_size // 2")
+                         "past the context the window slides by half of it")
     ap.add_argument("--temperature", type=float, default=0.8, help="0: greedy (argmax)")
     ap.add_argument("--top_k", type=int, default=0,
                     help="sample among the k most likely tokens only (0: all)")
     ap.add_argument("--top_p", type=float, default=1.0,
                     help="nucleus sampling: the smallest set of tokens holding this mass")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--context", type=int,
+                    help="the tokens the model sees (default: block_size); past block_size, "
+                         "ALiBi extrapolates, RoPE meets positions it never trained on")
     args = ap.parse_args(argv)
     checks = (
         ("num_samples", args.num_samples >= 1, "at least 1"),
@@ -228,6 +232,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("temperature", 0 <= args.temperature < float("inf"), "finite and at least 0 (0: greedy)"),
         ("top_k", args.top_k >= 0, "at least 0 (0: off)"),
         ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),
+        ("context", args.context is None or args.context >= 2, "at least 2"),
     )
     for name, ok, need in checks:
         if not ok:
@@ -242,14 +247,18 @@ def main(argv: list[str] | None = None) -> None:
         cfg = read_config(rundir)
         encode, decode = tokenizer(meta := read_dataset_record(rundir, cfg))
         prompt = encode(read_prompt(args.start))
-        if len(prompt) > cfg.block_size:
-            print(f"note: the prompt has {len(prompt)} tokens; "
-                  f"keeping its last block_size={cfg.block_size}", file=sys.stderr)
+        S = args.context or cfg.block_size
+        if len(prompt) > S:
+            print(f"note: the prompt has {len(prompt)} tokens; keeping its last {S}",
+                  file=sys.stderr)
+        if S > cfg.block_size and cfg.position == "rope":
+            print(f"note: --context={S} is past block_size={cfg.block_size}: RoPE's positions "
+                  f"beyond it were never trained (ALiBi's extrapolate)", file=sys.stderr)
         model, step = restore_model(rundir, cfg, args.step)
     except UsageError as e:
         sys.exit(f"error: {e}")
-    prompt = prompt[-cfg.block_size:]
-    inputs = (model, prompt_window(prompt, cfg.block_size), jax.random.key(args.seed),
+    prompt = prompt[-S:]
+    inputs = (model, prompt_window(prompt, S), jax.random.key(args.seed),
               jnp.float32(args.temperature))
     settings = dict(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                     n_vocab=meta["vocab_size"], top_k=args.top_k, top_p=args.top_p)

@@ -81,6 +81,19 @@ def test_extend_gives_the_full_forward_logits():
     np.testing.assert_allclose(np.concatenate(got), want_TV, rtol=1e-4, atol=1e-4)
 
 
+def test_alibi_decodes_past_block_size_as_its_full_forward():
+    """An ALiBi model (random weights) decoding with a cache of 3 x block_size positions, past a
+    slide: greedy tokens equal those of the full forward over each context (ALiBi's biases depend
+    on distances only, so longer contexts are the same model)."""
+    cfg = tiny(block_size=8, position="alibi", n_head=4)
+    model, S = random_gpt(cfg), 3 * cfg.block_size
+    prompt = [18, 47, 56, 57, 58]
+    want = greedy_by_recomputation(model, prompt, 40, S)
+    got = sample.generate(model, sample.prompt_window(prompt, S), jax.random.key(0),
+                          jnp.float32(0.0), num_samples=1, max_new_tokens=40, n_vocab=N_VOCAB)
+    assert np.asarray(got)[0].tolist() == want
+
+
 def test_top_k_1_is_greedy_and_the_seed_fixes_the_samples(trained):
     model, cfg = trained
     prompt = [0]  # a newline
@@ -200,6 +213,7 @@ def test_bad_input_is_one_line(run_dir, tmp_path):
     assert error_line([f"--rundir={run_dir}", "--start=Zürich"]) == "error: characters 'ü' are not in the dataset's vocabulary"
     assert error_line([f"--rundir={run_dir}", "--top_p=0"]) == "error: --top_p=0.0 must be in (0, 1]"
     assert error_line([f"--rundir={run_dir}", "--temperature=inf"]).startswith("error: --temperature=inf must be finite")
+    assert error_line([f"--rundir={run_dir}", "--context=1"]) == "error: --context=1 must be at least 2"
     (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
     assert error_line([f"--rundir={run_dir}", f"--start=FILE:{tmp_path / 'binary.txt'}"]).endswith("is not UTF-8 text")
     assert error_line([f"--rundir={run_dir}", "--step=7"]) == f"error: --step=7: {run_dir} has checkpoints of steps 5, 10 only"

@@ -6,10 +6,11 @@ trains the baseline and each variant (SharedKV, grouped-query attention with n_h
 heads, MUDD, ALiBi, MUDD + SharedKV) at the quickstart's recipe (configs/shakespeare_char_cpu.py,
 its fast form: two CPU devices, data-parallel) from each seed, on the same tokens, with
 launch.py in a subprocess each (runs/variants/SIZE/VARIANT/sSEED, resumed when rerun). Then it
-evaluates each final model on the same validation batches at 1x, 2x and 4x the training length
+evaluates each final model on fixed validation batches at 1x, 2x and 4x the training length
 (ALiBi's claim), and writes OUT/SIZE.json (every number, the commit and the settings) and the
-markdown table OUT/SIZE.md, which docs/variants.md includes. "large" is the largest size the
-2-core CPU trains in minutes (width 256, 8 layers; muP carries the LR).
+markdown table OUT/SIZE.md, which it also puts into docs/variants.md (between its markers).
+"large" is the largest size the 2-core CPU trains in minutes (width 256, 8 layers; muP carries
+the LR).
 """
 import argparse
 import logging
@@ -140,7 +141,19 @@ def main(argv: list[str] | None = None) -> None:
     (out / f"{args.size}.json").write_text(json.dumps({"settings": settings,
                                                        "results": results}, indent=1))
     (out / f"{args.size}.md").write_text(table(results, seeds))
+    if out == ROOT / "docs" / "variants":  # not a smoke test's: docs/variants.md shows it
+        put_in_docs(args.size, f"`{settings['command']}` at {commit}:\n\n" + table(results, seeds))
     print(table(results, seeds))
+
+
+def put_in_docs(size: str, text: str) -> None:
+    """The table into docs/variants.md, between its markers for this size."""
+    doc = ROOT / "docs" / "variants.md"
+    start, end = f"<!-- variants.py {size} -->\n", f"<!-- end variants.py {size} -->"
+    page = doc.read_text() if doc.exists() else ""
+    if start in page and end in page:
+        before, rest = page.split(start, 1)
+        doc.write_text(before + start + text + rest[rest.index(end):])
 
 
 if __name__ == "__main__":

@@ -144,3 +144,20 @@ def test_coordinate_check_over_width_holds_for_each_variant(shakespeare, name):
     table = mup.coord_check(cfg, "width", widths, steps=4, seeds=2)
     worst, fitted = max_abs_slope(table, widths, range(1, 5))
     assert worst <= 0.15, fitted
+
+
+@pytest.mark.parametrize("name", ["mqa", "sharedkv", "mudd_sharedkv"])
+def test_flops_per_token_count_each_variants_matrices(name):
+    """6N + 12 L H K T written out: the projection has H + 2G heads (SharedKV H + G); MUDD adds,
+    after block i, W1 (D x CJ), W2 (CJ x CJ) and C x J multiply-adds of a D-vector per token
+    (J = i + 2 states; C = 3 streams with SharedKV, 1 after the last block)."""
+    cfg = tiny(n_layer=3, d_model=32, n_head=4, block_size=16, **VARIANTS[name])
+    L, D, H, K, F, V, T = 3, 32, 4, 8, 128, cfg.model_vocab, 16
+    G = cfg.n_kv_head or H
+    heads = H + (G if cfg.attention == "sharedkv" else 2 * G)
+    N = L * (D * heads * K + H * K * D + 2 * D * F) + V * D
+    for i in range(L if cfg.connections == "mudd" else 0):
+        C, J = (3 if i < L - 1 else 1), i + 2
+        N += D * C * J + (C * J) ** 2 + C * J * D
+    gpt = eqx.filter_eval_shape(M.GPT, cfg)
+    assert M.flops_per_token(gpt, T) == 6 * N + 12 * L * H * K * T

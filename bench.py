@@ -157,10 +157,9 @@ def kernels_in(gpt) -> set[str]:
 def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | None = None) -> dict:
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
 
     import metrics
-    import model
     import train
 
     cfg.check(jax.device_count())
@@ -193,7 +192,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
               file=sys.stderr)
         print("\n".join(f"{ms:9.3f}  {name}" for name, ms in ops.items()), file=sys.stderr)
     device = jax.devices()[0]
-    flops = model.flops_per_token(s.model, cfg.block_size)
+    flops = metrics.flops_per_token(s.model, cfg.block_size)
     tokens_per_s = cfg.batch_size * cfg.block_size / step_s
     peak = metrics.peak_flops(device)
     memory = device.memory_stats() or {}

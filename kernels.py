@@ -134,8 +134,7 @@ def attend_example(cfg: Config, key: jax.Array) -> tuple:
     k, v = (jax.random.normal(k, (T, G, K), cfg.compute_dtype) for k in keys[1:])
     bias = None
     if cfg.position == "alibi":
-        pos = jnp.arange(T)
-        bias = -model.alibi_slopes(H)[:, None, None] * (pos[:, None] - pos[None, :])
+        bias = model.alibi_bias(jnp.arange(T), jnp.arange(T), H)
     return (q, k, v), lambda fn, q, k, v: fn(q, k, v, cfg.attn_scale, None, bias)
 
 

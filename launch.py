@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             distributed.join(*(getattr(args, f) for f in MULTIHOST))
         import checkpoint
         import data
-        import model
+        import params
         import train
 
         if not args.debug:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg.check(jax.device_count())
             # bad data is reported before the run directory is written
             data.load_split(cfg, "train"), data.load_split(cfg, "val")
-            model.check(cfg)  # an edited model.py's parameter without a policy row, say
+            params.check(cfg)  # an edited model.py's parameter without a policy row, say
             # Process 0 checks and writes the run directory; the others only train in it.
             first = jax.process_index() == 0
             rundir = open_rundir(args, cfg) if first else epath.Path(args.rundir)

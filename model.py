@@ -1,25 +1,22 @@
 """The GPT: token embedding -> L pre-norm blocks -> RMSNorm -> readout.
 
-Shapes: B batch, T time, S key positions, D model width, H heads, K head dim, F mlp width,
-V vocab, L layers. Modules see one sequence (T tokens); train.py adds the batch with jax.vmap.
+Shapes: B batch, T time, S key positions, D model width, H heads, G key/value heads, K head dim,
+F mlp width, V vocab, L layers; MUDD: C streams, J states. Modules see one sequence (T tokens);
+train.py adds the batch with jax.vmap.
 
 The functions here are the definition of the math. kernels.py may hold a fused version of some
 (attend, qk_norm_rope, gelu); a run uses one only after checking it against the function here, so
 an edit to this file always runs (kernels.select).
 """
-import dataclasses
-import functools
-import itertools
 import math
 from typing import Callable, Literal, NamedTuple
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from configs import Config, UsageError
+from configs import Config
 
 # mup.py's coordinate check: tap(name, x) hands x to TAPS' functions at trace time, returns x
 TAPS: list[Callable[[str, Array], None]] = []
@@ -74,14 +71,14 @@ def qk_norm_rope(q_THK: Array, k_SGK: Array, q_gain_K: Array, k_gain_K: Array,
     return q_THK.astype(dtype), k_SGK.astype(dtype)
 
 
-def alibi_slopes(H: int) -> Array:
-    """ALiBi's head slopes (Press et al. 2022, arXiv 2108.12409): the geometric sequence
-    2^(-8/H), 2^(-16/H), ... for H a power of two; otherwise those of the power of two below H,
-    then every other one of twice that power (the paper's code, and fattorib/ZeRO-transformer's)."""
-    def powers(n):
-        return [2 ** (-8 * (i + 1) / n) for i in range(n)]
+def alibi_bias(q_T: Array, k_S: Array, H: int) -> Array:
+    """ALiBi's (Press et al. 2022, arXiv 2108.12409) logit bias -m_h (i - j), query position i, key
+    position j. Slopes m: 2^(-8/H), 2^(-16/H), ... for H a power of two; else those of the power of
+    two below H, then every other one of twice that power (the paper's code, ZeRO-transformer's)."""
+    powers = lambda n: [2 ** (-8 * (i + 1) / n) for i in range(n)]  # noqa: E731
     below = 2 ** math.floor(math.log2(H))
-    return jnp.array(powers(below) + powers(2 * below)[0::2][:H - below], jnp.float32)
+    slopes_H = jnp.array(powers(below) + powers(2 * below)[0::2][:H - below], jnp.float32)
+    return -slopes_H[:, None, None] * (q_T[:, None] - k_S[None, :])
 
 
 def gelu(x: Array) -> Array:  # GPT-2's tanh form
@@ -99,6 +96,8 @@ def attend(q_THK: Array, k_SGK: Array, v_SGK: Array, scale: float, mask_TS: Arra
     q_TGRK = q_THK.reshape(T, G, H // G, K)
     logits_GRTS = jnp.einsum("TGRK,SGK->GRTS", q_TGRK, k_SGK, preferred_element_type=jnp.float32)
     logits_HTS = scale * logits_GRTS.reshape(H, T, S)
+    if TAPS and mask_TS is None:  # mup.py's coordinate check: the causal logits
+        tap("attn_logits", logits_HTS[:, *jnp.tril_indices(T)])
     if bias_HTS is not None:
         logits_HTS = logits_HTS + bias_HTS
     logits_HTS = jnp.where(mask_TS, logits_HTS, jnp.finfo(jnp.float32).min)
@@ -175,14 +174,7 @@ class Attention(eqx.Module):
             k_TGK, v_TGK = k_SGK, v_SGK
         norm_rope = self.fast_qk_norm_rope or qk_norm_rope
         q_THK, k_SGK = norm_rope(q_THK, k_TGK, self.q_norm, self.k_norm, at.q_rope, at.k_rope)
-        bias_HTS = None
-        if self.alibi:  # -m_h (i - j) for query position i and key position j
-            slopes_H = alibi_slopes(q_THK.shape[1])
-            bias_HTS = -slopes_H[:, None, None] * (at.q_T[:, None] - at.k_S[None, :])
-        if TAPS:  # the causal logits, for mup.py
-            keys_SHK = jnp.repeat(k_SGK, q_THK.shape[1] // k_SGK.shape[1], axis=1)
-            logits_HTT = self.scale * jnp.einsum("THK,SHK->HTS", q_THK, keys_SHK)
-            tap("attn_logits", logits_HTT[:, *jnp.tril_indices(len(q_THK))])
+        bias_HTS = alibi_bias(at.q_T, at.k_S, q_THK.shape[1]) if self.alibi else None
         attend_fn = self.fast_attend or attend
         o_THK = attend_fn(q_THK, k_SGK, v_TGK, self.scale, at.mask_TS, bias_HTS)
         return tap("attn_out", jnp.einsum("THK,HKD->TD", o_THK, self.out.astype(self.dtype))), cache
@@ -306,11 +298,9 @@ class GPT(eqx.Module):
     def hidden(self, tokens_T: Int[Array, "T"], start=0,
                cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
         """The stream after the last block for tokens at positions start.., and sample.py's KV
-        cache (L in front) with them written. The blocks run by lax.scan over the stacked
-        parameters (compile time does not grow with depth), except with MUDD: each block reads
-        every earlier state, which a single-carry scan cannot hold without a copy of the whole
-        history per layer; a Python loop keeps each state once, for a compile time that grows
-        with depth."""
+        cache (L in front) with them written. A lax.scan over the stacked blocks (compile time
+        flat in depth); with MUDD, whose blocks read every earlier state, a Python loop: a scan
+        would carry and save a copy of the whole history per layer."""
         S = None if cache is None else cache.v.shape[1]
         at = self.positions(start + jnp.arange(tokens_T.shape[0]), S)
         params, static = eqx.partition(self.blocks, eqx.is_array)
@@ -357,141 +347,3 @@ class GPT(eqx.Module):
         k_rope = q_rope if S is None else rope_table(k_S, K, self.rope_base)
         return Positions(q_T, k_S, q_rope, k_rope, mask_TS)
 
-    def empty_cache(self, S: int) -> KVCache:
-        """sample.py's KV cache of S positions: zeros, L in front."""
-        attn = self.blocks.attn
-        (L, _, K, _), G = attn.out.shape, attn.kv_heads
-        zeros = jnp.zeros((L, S, G, K), self.dtype)
-        return KVCache(None if attn.shared_kv else zeros, zeros)
-
-
-def init_gpt(cfg: Config, key: Array, fast: dict[str, Callable] | None = None) -> GPT:
-    """A GPT whose parameters are drawn as the policy table says: init_mean + init_std * N(0, 1),
-    and whose forward multipliers (muP's and CompleteP's) are static fields set from the config."""
-    skeleton = eqx.filter_eval_shape(GPT, cfg, fast)  # shapes only: eager zeros would each compile
-    params, static = eqx.partition(skeleton, is_param)
-    leaves, treedef = jax.tree.flatten(params)
-    is_policy = lambda x: isinstance(x, Policy)
-    rows = jax.tree.leaves(policy_table(skeleton, cfg), is_leaf=is_policy)
-    specs = tuple((x.shape, row.init_mean, row.init_std) for x, row in zip(leaves, rows))
-    return eqx.combine(jax.tree.unflatten(treedef, draw(key, specs)), static)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def draw(key: Array, specs: tuple) -> list[Array]:
-    """mean + std * N(0, 1) for each (shape, mean, std), cut from one draw: one jitted function
-    for all of them, not one compilation per shape."""
-    sizes = [math.prod(shape) for shape, _, _ in specs]
-    z = jax.random.normal(key, (sum(sizes),))
-    pieces = jnp.split(z, list(itertools.accumulate(sizes))[:-1])
-    return [mean + std * p.reshape(shape) for p, (shape, mean, std) in zip(pieces, specs)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """How one parameter is initialised, optimised and sharded."""
-    init_std: float  # parameter = init_mean + init_std * N(0, 1)
-    lr_mult: float  # multiplies the schedule's learning rate
-    decay: bool  # independent weight decay applies
-    spec: tuple  # PartitionSpec of one layer's array; stacked block arrays get None for L in front
-    init_mean: float = 0.0
-    eps_mult: float = 1.0  # multiplies Adam's epsilon
-
-
-def policy_rows(cfg: Config) -> dict[str, Policy]:
-    """The per-parameter table. m = d_model / d_base and d = n_layer / depth_base under muP, 1 under
-    SP, where every multiplier is 1: at the base shape muP is SP. [TP5] Tensor Programs V Table 3;
-    [mup] microsoft/mup; [nGm] EleutherAI nanoGPT-mup and its completep branch; [muT]
-    mu_transformer (Lingle 2024); [CP] CompleteP (Dey et al. 2025), alpha = 1: no depth factor on
-    any LR. Weight decay is independent of lr and m (train.scale_by_policy). Adam's eps must stay
-    below the gradients (Everett et al. 2024), which carry the readout's 1/m and, inside blocks,
-    the branch scale 1/d: eps is scaled by the same [CP, nGm]. FSDP shards every matrix's D axis."""
-    D, F, m, d = cfg.d_model, cfg.mlp_width, cfg.width_mult, cfg.depth_mult
-    hidden = dict(lr_mult=1 / m, decay=True, eps_mult=1 / (m * d))  # [TP5 hidden, mup, nGm, muT]
-    gain = dict(lr_mult=1.0, decay=False, init_mean=1.0, eps_mult=1 / (m * d))  # vector-like [TP5]
-    # Tied embeddings: std 1/sqrt(D/m) (1/sqrt(d_base) under muP: constant in width) starts the
-    # logits at O(alpha_out) rather than O(alpha_out sqrt(d_base)) (BENCHMARKS.md)
-    embed_std = 1 / math.sqrt(D / m) if cfg.tie_embeddings else 1.0
-    return {
-        # embedding: constant init std and LR at every width; output x alpha_in [TP5, mup, nGm]
-        "emb.embed": Policy(embed_std, 1.0, decay=True, spec=(None, "fsdp"), eps_mult=1 / m),
-        # readout: zero init (loss starts at ln V) [TP5], forward x alpha_out / m [mup, nGm], LR lr
-        # (vector-like: one dim grows). Tied, the shared array keeps emb.embed's row.
-        "emb.unembed": Policy(0.0, 1.0, decay=True, spec=(None, "fsdp"), eps_mult=1 / m),
-        # hidden matrices: init std 1/sqrt(fan_in), LR lr / m
-        "blocks.attn.qkv": Policy(1 / math.sqrt(D), spec=("fsdp", None, None), **hidden),
-        "blocks.attn.out": Policy(1 / math.sqrt(D), spec=(None, None, "fsdp"), **hidden),
-        "blocks.mlp.up": Policy(1 / math.sqrt(D), spec=("fsdp", None), **hidden),
-        "blocks.mlp.down": Policy(1 / math.sqrt(F), spec=(None, "fsdp"), **hidden),
-        # QK-LayerNorm gains: K entries at every width, LR lr, no decay [muT; Wortsman et al. 2023]
-        "blocks.attn.q_norm": Policy(0.0, spec=(None,), **gain),
-        "blocks.attn.k_norm": Policy(0.0, spec=(None,), **gain),
-        # RMSNorm gains, only with cfg.norm_gain: off by default, they break transfer [muT]
-        "blocks.attn_norm": Policy(0.0, spec=(None,), **gain),
-        "blocks.mlp_norm": Policy(0.0, spec=(None,), **gain),
-        # the final RMSNorm's gain: outside the blocks, so no branch scale in its gradient
-        "final_norm": Policy(0.0, spec=(None,), **{**gain, "eps_mult": 1 / m}),
-        # MUDD's connections, outside the blocks' branches. W1: fan-in D grows with width, fan-out
-        # fixed, like a readout: LR lr / m keeps its output's update O(1); its init output may be
-        # O(1), as W2 = 0 makes A independent of it at init. W2 and b: finite in both dimensions
-        # (vector-like [TP5]); b, the connections' static part, is not decayed. Their gradients
-        # are sums over the D coordinates of the streams': O(1), so eps is not scaled.
-        "mudd.w1": Policy(1 / math.sqrt(D), 1 / m, decay=True, spec=("fsdp", None)),
-        "mudd.w2": Policy(0.0, 1.0, decay=True, spec=(None, None)),
-        "mudd.b": Policy(0.0, 1.0, decay=False, spec=(None, None)),
-    }
-
-
-def is_param(x) -> bool:
-    """An array of the model, or its shape alone (init_gpt's skeleton)."""
-    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
-
-
-def param_name(path) -> str:
-    """'blocks.attn.qkv' for a key path; eqx.nn.Shared's wrapper (.pytree) is not in the name."""
-    keys = (k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey))
-    return ".".join(name for name in keys if name != "pytree")
-
-
-def policy_table(model: GPT, cfg: Config):
-    """A pytree like the model's arrays with each parameter's Policy; each needs a row."""
-    rows, params = policy_rows(cfg), eqx.filter(model, is_param)
-    names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    if missing := [name for name in names if name not in rows]:
-        raise UsageError(f"model.py: parameters without a row in policy_rows: {', '.join(missing)} "
-                         "(add each one's init std, LR multiplier, decay and sharding)")
-
-    def row(path, x):
-        name, policy = param_name(path), rows[param_name(path)]
-        if name.startswith("blocks."):  # stacked over layers: one more axis in front
-            policy = dataclasses.replace(policy, spec=(None, *policy.spec))
-        if len(policy.spec) != x.ndim:
-            raise UsageError(f"model.py: policy_rows gives {name} the sharding {rows[name].spec}, "
-                             f"which does not fit its shape {x.shape} (blocks: L in front)")
-        return policy
-
-    return jax.tree_util.tree_map_with_path(row, params)
-
-
-def check(cfg: Config) -> None:
-    """The policy table of the model's shapes alone: launch.py's check before the run directory."""
-    policy_table(eqx.filter_eval_shape(GPT, cfg), cfg)
-
-
-def partition_specs(model: GPT, cfg: Config):
-    is_policy = lambda x: isinstance(x, Policy)
-    return jax.tree.map(lambda p: P(*p.spec), policy_table(model, cfg), is_leaf=is_policy)
-
-
-def flops_per_token(model: GPT, T: int) -> float:
-    """Model FLOPs per token, forward + backward, from the model's own arrays: 6N + 12·L·H·K·T
-    (PaLM app. B). N: every matrix a token is multiplied by (the blocks' and the readout, not the
-    embedding lookup nor the gains); 12·L·H·K·T: attention's scores and their use, full T x T."""
-    arrays = jax.tree.leaves(eqx.filter(model.blocks, is_param))
-    N = sum(math.prod(x.shape) for x in arrays if len(x.shape) >= 3)  # (L, ...) matrices
-    N += math.prod(model.embeddings().unembed.shape)
-    D = model.embeddings().unembed.shape[1]
-    for c in model.mudd or ():  # MUDD: W1, W2, and C x J weights of a D-vector per token
-        N += c.w1.size + c.w2.size + c.b.size * D
-    L, H, K, _ = model.blocks.attn.out.shape
-    return 6 * N + 12 * L * H * K * T

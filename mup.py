@@ -39,6 +39,7 @@ import numpy as np
 import configs
 import data
 import model as M
+import params
 import plots
 import train
 from configs import Config, RunError, UsageError
@@ -114,8 +115,8 @@ def coord_check(cfg: Config, axis: str, sizes: list[int], steps: int,
                                 min_lr=cfg.learning_rate, max_steps=steps)
         s = train.setup(c, mesh)  # its step is compiled once per shape, used for every seed
         for seed in range(seeds):
-            gpt = eqx.filter_shard(M.init_gpt(c, jax.random.key(seed)), s.model_sharding)
-            optimizer = train.make_optimizer(c, M.policy_table(gpt, c))
+            gpt = eqx.filter_shard(params.init_gpt(c, jax.random.key(seed)), s.model_sharding)
+            optimizer = train.make_optimizer(c, params.policy_table(gpt, c))
             opt_state = optimizer.init(eqx.filter(gpt, eqx.is_array))
             opt_state = eqx.filter_shard(opt_state, s.opt_sharding)
             for t in range(steps + 1):

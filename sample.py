@@ -26,7 +26,16 @@ from etils import epath
 
 import data
 from configs import Config, UsageError
-from model import GPT, KVCache, init_gpt
+from model import GPT, KVCache
+from params import init_gpt
+
+
+def empty_cache(model: GPT, S: int) -> KVCache:
+    """A KV cache of S positions: zeros, L in front (SharedKV keeps the values only)."""
+    attn = model.blocks.attn
+    (L, _, K, _), G = attn.out.shape, attn.kv_heads
+    zeros = jnp.zeros((L, S, G, K), model.dtype)
+    return KVCache(None if attn.shared_kv else zeros, zeros)
 
 
 def extend(model: GPT, cache: KVCache, tokens_T: jax.Array, start) -> tuple[jax.Array, KVCache]:
@@ -83,7 +92,7 @@ def generate(model: GPT, prompt_S: jax.Array, key: jax.Array, temperature: jax.A
         keys_B = jax.vmap(jax.random.fold_in, (0, None))(sample_keys_B, i)
         return pick_B(logits_BV, keys_B, temperature)
 
-    x_SD, cache = extend(model, model.empty_cache(S), prompt_S, 0)
+    x_SD, cache = extend(model, empty_cache(model, S), prompt_S, 0)
     logits_V = model.logits(jax.lax.dynamic_slice_in_dim(x_SD, n_prompt - 1, 1))[0]
     first_B = draw(jnp.broadcast_to(logits_V, (B, *logits_V.shape)), 0)
     cache_B = jax.tree.map(lambda c: jnp.broadcast_to(c, (B, *c.shape)), cache)

@@ -24,7 +24,9 @@ from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_ch
 from configs import Config, RunError, UsageError
 from distributed import stop_signals
 from metrics import Logger, Tally, peak_flops
-from model import GPT, Policy, flops_per_token, init_gpt, partition_specs, policy_table
+from metrics import flops_per_token
+from model import GPT
+from params import Policy, init_gpt, partition_specs, policy_table
 
 # (G, B, T): every device holds B / devices sequences of each microbatch
 BATCH_SPEC = P(None, ("replica", "fsdp"), None)

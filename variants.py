@@ -63,13 +63,15 @@ def measure(rundir: Path, args: list[str]) -> dict:
     import checkpoint
     import configs
     import data
-    import model as M
+    import metrics
+    import params
+    import sample
     import train
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on a read-only manager
     cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), args)
     mesh = train.make_mesh(cfg, jax.devices()[:1])
-    skeleton = M.init_gpt(cfg, jax.random.key(0))
+    skeleton = params.init_gpt(cfg, jax.random.key(0))
     mngr = checkpoint.checkpoint_manager(epath.Path(rundir), cfg, read_only=True)
     gpt = checkpoint.restore_model(mngr, skeleton)
     tokens = {s: data.load_split(cfg, s) for s in ("train", "val")}
@@ -80,10 +82,10 @@ def measure(rundir: Path, args: list[str]) -> dict:
         val[n] = train.evaluate(gpt, longer, tokens["train"], tokens["val"], mesh)["val_loss"]
     lines = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
     speeds = [x["tokens_per_s"] for x in lines if x.get("tokens_per_s") and "loss" in x]
-    cache = gpt.empty_cache(1)
+    cache = sample.empty_cache(gpt, 1)
     return {"val_loss": val[1], "val_loss_at": val,
             "params": sum(x.size for x in jax.tree.leaves(eqx.filter(gpt, eqx.is_array))),
-            "flops_per_token": M.flops_per_token(gpt, cfg.block_size),
+            "flops_per_token": metrics.flops_per_token(gpt, cfg.block_size),
             "kv_cache_bytes_per_token": sum(x.nbytes for x in jax.tree.leaves(cache)),
             "step_ms": 1e3 * cfg.batch_size * cfg.block_size / statistics.median(speeds)}
 

@@ -61,8 +61,8 @@ class Config:
     # parametrization: "mup" is the Maximal Update Parametrization (Tensor Programs V, Yang et al.
     # 2022, arXiv 2203.03466) with CompleteP's depth rules (Dey et al. 2025, arXiv 2505.01618):
     # LRs tuned at d_model = d_base and n_layer = depth_base transfer to other widths and depths;
-    # there muP equals SP. The rules are rows of model.policy_rows and static fields set in
-    # model.init_gpt.
+    # there muP equals SP. The rules are rows of params.policy_rows and static fields set in
+    # model.GPT.
     param: Literal["sp", "mup"] = "sp"
     d_base: int = 768  # the width at which muP equals SP (width_mult = d_model / d_base)
     # the depth at which CompleteP's residual branch scale depth_base / n_layer is 1

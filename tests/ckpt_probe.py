@@ -17,7 +17,7 @@ import train  # noqa: E402
 from checkpoint import (checkpoint_manager, restore_checkpoint, restore_model,  # noqa: E402
                         save_checkpoint)
 from conftest import tiny  # noqa: E402
-from model import init_gpt  # noqa: E402
+from params import init_gpt  # noqa: E402
 
 n, rundir, out = int(sys.argv[1]), epath.Path(sys.argv[2]), sys.argv[3]
 # every kind of parameter: tied embeddings, RMSNorm gains

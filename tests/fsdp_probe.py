@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 import configs  # noqa: E402
 import train  # noqa: E402
 from conftest import tiny  # noqa: E402
-from model import Policy, policy_table  # noqa: E402
+from params import Policy, policy_table  # noqa: E402
 
 n, out = int(sys.argv[1]), sys.argv[2]
 cfg = tiny(d_model=64, n_head=4, batch_size=16, mesh_replica=int(sys.argv[3]) if len(sys.argv) > 3 else 1)

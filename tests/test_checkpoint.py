@@ -23,7 +23,7 @@ from checkpoint import checkpoint_manager, restore_checkpoint, restore_model, sa
 from configs import UsageError
 from conftest import ROOT, TINY_RUN, tiny
 from metrics import Logger
-from model import init_gpt
+from params import init_gpt
 
 TINY = [*TINY_RUN, "--config.eval_batches=2", "--config.log_interval=4",
         "--config.eval_interval=8", "--config.ckpt_interval=8"]

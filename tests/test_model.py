@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import metrics
 import model as M
+import params
 from conftest import tiny
 
 
@@ -81,9 +83,9 @@ def numpy_forward(gpt: M.GPT, cfg, tokens: np.ndarray) -> np.ndarray:
 
 def random_gpt(cfg, seed=0, fast=None):
     """Every parameter random (the zero readout at init would hide bugs downstream of it)."""
-    gpt = M.init_gpt(cfg, jax.random.key(seed), fast)
-    params, static = eqx.partition(gpt, eqx.is_array)
-    leaves, tree = jax.tree.flatten(params)
+    gpt = params.init_gpt(cfg, jax.random.key(seed), fast)
+    arrays, static = eqx.partition(gpt, eqx.is_array)
+    leaves, tree = jax.tree.flatten(arrays)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     leaves = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
     return eqx.combine(jax.tree.unflatten(tree, leaves), static)
@@ -129,7 +131,7 @@ def test_rope_depends_on_relative_position_only():
 def test_loss_at_init_is_log_vocab():
     import train
     cfg = tiny(n_layer=2, d_model=64, n_head=2)
-    gpt = M.init_gpt(cfg, jax.random.key(0))
+    gpt = params.init_gpt(cfg, jax.random.key(0))
     x = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
     assert abs(float(train.loss_fn(gpt, x, x, cfg)) - math.log(cfg.model_vocab)) < 0.1
 
@@ -137,20 +139,20 @@ def test_loss_at_init_is_log_vocab():
 def test_policy_table_covers_every_parameter():
     for norm_gain, tie in [(False, False), (True, True)]:
         cfg = tiny(norm_gain=norm_gain, tie_embeddings=tie)
-        gpt = M.init_gpt(cfg, jax.random.key(0))
-        table = M.policy_table(gpt, cfg)
+        gpt = params.init_gpt(cfg, jax.random.key(0))
+        table = params.policy_table(gpt, cfg)
         n_params = len(jax.tree.leaves(eqx.filter(gpt, eqx.is_array)))
-        assert len(jax.tree.leaves(table, is_leaf=lambda x: isinstance(x, M.Policy))) == n_params
+        assert len(jax.tree.leaves(table, is_leaf=lambda x: isinstance(x, params.Policy))) == n_params
 
 
 def test_policy_table_rejects_a_parameter_without_a_row(monkeypatch):
     cfg = tiny()
-    gpt = M.init_gpt(cfg, jax.random.key(0))
-    rows = M.policy_rows(cfg)
+    gpt = params.init_gpt(cfg, jax.random.key(0))
+    rows = params.policy_rows(cfg)
     del rows["blocks.mlp.up"]
-    monkeypatch.setattr(M, "policy_rows", lambda _: rows)
-    with pytest.raises(M.UsageError, match="without a row in policy_rows: blocks.mlp.up"):
-        M.policy_table(gpt, cfg)
+    monkeypatch.setattr(params, "policy_rows", lambda _: rows)
+    with pytest.raises(params.UsageError, match="without a row in policy_rows: blocks.mlp.up"):
+        params.policy_table(gpt, cfg)
 
 
 def test_tied_embeddings_are_one_array():
@@ -216,7 +218,7 @@ def test_flops_per_token_follow_an_edited_mlp(monkeypatch):
     L, D, F, V, T = 3, 32, round(32 * 8 / 3), cfg.model_vocab, 16
     gpt = eqx.filter_eval_shape(M.GPT, cfg)
     want = 6 * (L * (3 * D * D + D * D + 3 * D * F) + V * D) + 12 * L * D * T
-    assert M.flops_per_token(gpt, T) == want
+    assert metrics.flops_per_token(gpt, T) == want
 
 
 def test_attention_implementations_match_a_naive_reference():
@@ -278,7 +280,7 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     named = lambda g: jax.tree_util.tree_flatten_with_path(eqx.filter(g, eqx.is_array))[0]
     for (path, a), (_, b) in zip(named(want), named(got), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=M.param_name(path))
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=params.param_name(path))
 
 
 def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
@@ -310,15 +312,15 @@ def test_a_parameter_without_a_policy_row_stops_launch_before_the_run_directory(
     """The mistake of adding a parameter (here: forgetting mlp.up's row) is one line naming it,
     and nothing is written."""
     from conftest import TINY_RUN, run
-    code = ("import sys, model\n"
-            "rows = model.policy_rows\n"
-            "model.policy_rows = lambda cfg: {k: v for k, v in rows(cfg).items() "
+    code = ("import sys, params\n"
+            "rows = params.policy_rows\n"
+            "params.policy_rows = lambda cfg: {k: v for k, v in rows(cfg).items() "
             "if k != 'blocks.mlp.up'}\n"
             "import launch\n"
             "launch.main(sys.argv[1:])\n")
     r = run(["-c", code, *TINY_RUN, f"--rundir={tmp_path / 'run'}"])
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip() == ("error: model.py: parameters without a row in policy_rows: "
+    assert r.stderr.strip() == ("error: params.py: parameters without a row in policy_rows: "
                                 "blocks.mlp.up (add each one's init std, LR multiplier, decay "
                                 "and sharding)")
     assert not (tmp_path / "run").exists()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import configs
-import model as M
 import mup
+import params
 import train
 from conftest import ROOT, run, tiny
 
@@ -34,7 +34,7 @@ def batch(cfg, seed=0):
     return x[..., :-1], x[..., 1:]
 
 
-def params(gpt):
+def arrays_of(gpt):
     return jax.tree.leaves(eqx.filter(gpt, eqx.is_array))
 
 
@@ -49,7 +49,7 @@ def train_steps(cfg, n):
     gpt, opt_state = s.model, s.opt_state
     for _ in range(n):
         gpt, opt_state, _ = s.step(gpt, opt_state, x, y)
-    return logits, params(gpt)
+    return logits, arrays_of(gpt)
 
 
 def test_configs_keep_sp_at_their_base_and_xl_reuses_the_base_lr():
@@ -59,12 +59,12 @@ def test_configs_keep_sp_at_their_base_and_xl_reuses_the_base_lr():
     for name in ("shakespeare_char", "shakespeare_char_cpu", "openwebtext"):
         cfg = configs.load(name)
         assert cfg.param == "mup" and cfg.width_mult == 1 and cfg.depth_mult == 1, name
-        assert all(p.lr_mult == 1 and p.eps_mult == 1 for p in M.policy_rows(cfg).values()), name
+        assert all(p.lr_mult == 1 and p.eps_mult == 1 for p in params.policy_rows(cfg).values()), name
         assert cfg.attn_scale == pytest.approx(1 / math.sqrt(cfg.head_dim), rel=1e-12), name
     base, xl = configs.load("openwebtext"), configs.load("openwebtext_xl")
     assert (xl.learning_rate, xl.min_lr, xl.weight_decay) == (base.learning_rate, base.min_lr, base.weight_decay)
-    assert M.policy_rows(xl)["blocks.mlp.up"].lr_mult == pytest.approx(768 / 1600)
-    assert M.policy_rows(xl)["emb.embed"].lr_mult == 1
+    assert params.policy_rows(xl)["blocks.mlp.up"].lr_mult == pytest.approx(768 / 1600)
+    assert params.policy_rows(xl)["emb.embed"].lr_mult == 1
     assert 1 / xl.depth_mult == 12 / 48 and xl.attn_scale == 1 / 8
 
 
@@ -90,7 +90,7 @@ def test_tied_logits_start_at_alpha_out_over_sqrt_m(m):
     embedding's N(0, 1 / (D / m)) entries: std alpha_out / sqrt(m) at init, O(1) at the base width, shrinking
     with m as muP's logits do. (The embedding's std 1 gave 20 and 5 here.)"""
     cfg = mup_tiny(d_model=128, n_head=8, d_base=int(128 / m), tie_embeddings=True, alpha_out=1.5)
-    gpt = M.init_gpt(cfg, jax.random.key(0))
+    gpt = params.init_gpt(cfg, jax.random.key(0))
     logits = np.asarray(jax.vmap(gpt)(batch(cfg)[0][0]))
     assert logits.std() == pytest.approx(1.5 / math.sqrt(m), rel=0.1)
 
@@ -109,8 +109,8 @@ def test_first_adam_step_sizes_follow_mup(m):
     after, _, _ = s.step(gpt, s.opt_state, *batch(cfg))  # donates gpt's arrays: before holds copies
     hidden = {"blocks.attn.qkv", "blocks.attn.out", "blocks.mlp.up", "blocks.mlp.down"}
     seen = set()
-    for (path, old), new in zip(before, params(after)):
-        name = M.param_name(path)
+    for (path, old), new in zip(before, arrays_of(after)):
+        name = params.param_name(path)
         moved = np.abs(np.asarray(new) - old)
         moved = moved[moved > 0]  # embedding rows of tokens absent from the batch get no gradient
         assert moved.size > 0.1 * np.size(old), name

@@ -73,7 +73,7 @@ def test_extend_gives_the_full_forward_logits():
     tokens_T = jnp.asarray(np.random.default_rng(0).integers(0, N_VOCAB, 16))
     want_TV = np.asarray(model(tokens_T))
     extend = eqx.filter_jit(sample.extend)  # compiled once for the prefill and once for the steps
-    x_TD, cache = extend(model, model.empty_cache(16), tokens_T[:5], 0)
+    x_TD, cache = extend(model, sample.empty_cache(model, 16), tokens_T[:5], 0)
     got = [model.logits(x_TD)]
     for t in range(5, 16):
         x_1D, cache = extend(model, cache, tokens_T[t:t + 1], jnp.int32(t))

@@ -8,7 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from model import GPT, flops_per_token, init_gpt
+from metrics import flops_per_token
+from model import GPT
+import params
+from params import init_gpt
 import train
 from conftest import ROOT, run, tiny
 
@@ -59,14 +62,14 @@ def test_first_update_is_clipped_adam_written_out(size, grad_clip):
     cfg = tiny(adam_eps=1.0, grad_clip=grad_clip, weight_decay=0.0, warmup_steps=0,
                learning_rate=0.1, min_lr=0.1)
     s = train.setup(cfg, train.make_mesh(cfg))
-    params, table = eqx.filter(s.model, eqx.is_array), train.policy_table(s.model, cfg)
+    arrays, table = eqx.filter(s.model, eqx.is_array), params.policy_table(s.model, cfg)
     opt = train.make_optimizer(cfg, table)
     rng = np.random.default_rng(0)
     grads = jax.tree.map(lambda p: (size / p.size**0.5 * rng.normal(size=p.shape)).astype(np.float32),
-                         params)
+                         arrays)
     norm = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads)))
     factor = min(1.0, grad_clip / norm) if grad_clip else 1.0
-    updates = opt.update(grads, opt.init(params), params)[0]
+    updates = opt.update(grads, opt.init(arrays), arrays)[0]
     for u, g in zip(jax.tree.leaves(updates), jax.tree.leaves(grads)):
         gc = np.asarray(g, np.float64) * factor
         np.testing.assert_allclose(u, -0.1 * gc / (np.abs(gc) + 1.0), rtol=1e-4, atol=1e-9)
@@ -89,7 +92,7 @@ def test_weight_decay_is_independent_of_lr_and_only_on_matrices():
         cfg = tiny(norm_gain=True, weight_decay=0.01, learning_rate=lr, min_lr=lr, warmup_steps=0)
         s = train.setup(cfg, train.make_mesh(cfg))
         params = eqx.filter(s.model, eqx.is_array)
-        opt = train.make_optimizer(cfg, train.policy_table(s.model, cfg))
+        opt = train.make_optimizer(cfg, params.policy_table(s.model, cfg))
         zeros = jax.tree.map(np.zeros_like, params)
         updates, _ = opt.update(zeros, opt.init(params), params)
         np.testing.assert_allclose(updates.blocks.mlp.up, -0.01 * params.blocks.mlp.up, rtol=1e-6)

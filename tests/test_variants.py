@@ -8,7 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import metrics
 import model as M
+import sample
+import params
 from conftest import ROOT, TINY_RUN, run, tiny
 from test_checkpoint import env, final_state, launch_args, records, tiny_config  # noqa: F401
 from test_model import numpy_forward, random_gpt
@@ -39,10 +42,14 @@ def test_variant_matches_numpy_reference(name):
 
 def test_alibi_slopes_are_the_papers():
     """Press et al. 2022: for 8 heads 1/2, 1/4, ..., 1/256; for 6, not a power of two, the 4-head
-    slopes then every other one of the 8-head slopes (their code's interleaving)."""
-    np.testing.assert_allclose(M.alibi_slopes(8), [2.0 ** -i for i in range(1, 9)], rtol=1e-6)
-    want6 = [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3]
-    np.testing.assert_allclose(M.alibi_slopes(6), want6, rtol=1e-6)
+    slopes then every other one of the 8-head slopes (their code's interleaving). The bias of a key
+    3 positions back is -3 m_h; of a key ahead, +m_h (the mask hides those)."""
+    slopes = lambda H: -M.alibi_bias(jnp.arange(2), jnp.arange(2), H)[:, 1, 0]
+    np.testing.assert_allclose(slopes(8), [2.0 ** -i for i in range(1, 9)], rtol=1e-6)
+    want6 = np.array([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3])
+    np.testing.assert_allclose(slopes(6), want6, rtol=1e-6)
+    bias = M.alibi_bias(jnp.arange(5, 6), jnp.arange(2, 7), 6)  # query at 5, keys at 2..6
+    np.testing.assert_allclose(bias[:, 0], -want6[:, None] * np.array([3, 2, 1, 0, -1]), rtol=1e-6)
 
 
 def test_mudd_at_init_is_the_baseline_and_its_weights_matter():
@@ -51,7 +58,7 @@ def test_mudd_at_init_is_the_baseline_and_its_weights_matter():
     streams are three matmuls, the baseline's one); random W2 make it another function."""
     base_cfg = tiny(n_layer=3, n_head=4, d_model=32)
     base = random_gpt(base_cfg)
-    mudd = M.init_gpt(dataclasses.replace(base_cfg, connections="mudd"), jax.random.key(5))
+    mudd = params.init_gpt(dataclasses.replace(base_cfg, connections="mudd"), jax.random.key(5))
     mudd = eqx.tree_at(lambda m: (m.emb, m.blocks), mudd, (base.emb, base.blocks))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 65, 16))
     np.testing.assert_allclose(mudd(tokens), base(tokens), rtol=1e-5, atol=1e-5)
@@ -70,16 +77,16 @@ def test_kv_cache_decoding_equals_the_full_forward(name):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 65, 16))
     want = np.asarray(model(tokens))
     hidden = eqx.filter_jit(lambda m, t, start, c: m.hidden(t, start, c))
-    x, cache = hidden(model, tokens[:5], 0, model.empty_cache(16))
+    x, cache = hidden(model, tokens[:5], 0, sample.empty_cache(model, 16))
     got = [model.logits(x)]
     for t in range(5, 16):
         x, cache = hidden(model, tokens[t:t + 1], jnp.int32(t), cache)
         got.append(model.logits(x))
     np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-4, atol=1e-4)
-    mha = M.GPT(tiny(block_size=16, n_head=4)).empty_cache(16)
+    mha = sample.empty_cache(M.GPT(tiny(block_size=16, n_head=4)), 16)
     nbytes = lambda c: sum(a.nbytes for a in jax.tree.leaves(c))
     G = cfg.kv_heads / cfg.n_head
-    assert nbytes(model.empty_cache(16)) == nbytes(mha) * G / (2 if "sharedkv" in str(VARIANTS[name]) else 1)
+    assert nbytes(sample.empty_cache(model, 16)) == nbytes(mha) * G / (2 if "sharedkv" in str(VARIANTS[name]) else 1)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -160,4 +167,4 @@ def test_flops_per_token_count_each_variants_matrices(name):
         C, J = (3 if i < L - 1 else 1), i + 2
         N += D * C * J + (C * J) ** 2 + C * J * D
     gpt = eqx.filter_eval_shape(M.GPT, cfg)
-    assert M.flops_per_token(gpt, T) == 6 * N + 12 * L * H * K * T
+    assert metrics.flops_per_token(gpt, T) == 6 * N + 12 * L * H * K * T

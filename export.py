@@ -90,8 +90,10 @@ def hf_tokenizer(meta: dict):
         vocab = {c: i for i, c in enumerate(tok["chars"])}
         core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
         core.decoder = decoders.Fuse()
-        # lm-eval pads batches; the padding's outputs are never read, so any id does
-        return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=tok["chars"][0])
+        # No end-of-text character: lm-eval needs a prefix for an empty context (bos) and pads
+        # batches (never read: any id does); the first character (a newline) serves for both.
+        first = tok["chars"][0]
+        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=first, pad_token=first)
     if tok["kind"] == "hf":
         core = Tokenizer.from_str(tok["json"])
         eos = tok.get("eos")

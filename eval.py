@@ -15,6 +15,7 @@ being what follows encode(context); the last block_size + 1 tokens are kept. Sco
 batches of fixed shape, split over all devices (the batch axis), so one compilation serves all.
 """
 import argparse
+import functools
 import json
 import math
 import sys
@@ -26,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+import data
 import sample
-from configs import UsageError
+from configs import Config, UsageError
 
 # name -> (HF dataset id, split, record -> our format); lm-eval's preprocessing, simplified
 HF_TASKS = {
@@ -155,6 +157,21 @@ class Tasks:
             lls, greedy = loglikelihoods(model, x, y, m, self.n_vocab, sharding, batch)
             out |= {f"{task}/{k}": v for k, v in metrics(examples, lls, greedy).items()}
         return out
+
+
+@functools.cache  # tokenized once per run
+def training_tasks(cfg: Config) -> Tasks:
+    return Tasks(cfg.eval_tasks.split(","), data.read_meta(cfg), cfg.block_size)
+
+
+def log_in_training(model, cfg: Config, step: int, mesh, logger) -> None:
+    """train.py's hook at each evaluation: cfg.eval_tasks scored and logged (tensorboard's
+    eval/TASK/METRIC) when the step is a multiple of eval_tasks_interval, or the last."""
+    if not cfg.eval_tasks or (step % cfg.eval_tasks_interval and step != cfg.max_steps):
+        return
+    sharding = NamedSharding(mesh, P(("replica", "fsdp")))  # the batch over all devices
+    scores = training_tasks(cfg)(model, sharding, cfg.microbatch_size)
+    logger.log(step, scores, {k: f"eval/{k}" for k in scores})
 
 
 def main(argv: list[str] | None = None) -> None:

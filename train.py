@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import data
+import eval as downstream
 import kernels
 import sample
 from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_checkpoint
@@ -26,8 +27,7 @@ from distributed import stop_signals
 from metrics import Logger, Tally, peak_flops
 from model import GPT, Policy, flops_per_token, init_gpt, partition_specs, policy_table
 
-# (G, B, T): every device holds B / devices sequences of each microbatch
-BATCH_SPEC = P(None, ("replica", "fsdp"), None)
+BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): B split over all the devices
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
@@ -277,9 +277,9 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         record = evaluate(model, cfg, train_tokens, val_tokens, mesh)
         record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s}
         logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
-        # A short sample from the start of the val split, in a markdown code block (line breaks)
-        text = sample.preview(model, cfg, val_tokens[:8].tolist())
-        logger.text(step, "sample", f"```\n{text}\n```")
+        downstream.log_in_training(model, cfg, step, mesh, logger)  # cfg.eval_tasks, when due
+        text = sample.preview(model, cfg, val_tokens[:8].tolist())  # from the val split's start
+        logger.text(step, "sample", f"```\n{text}\n```")  # a markdown code block keeps line breaks
         say(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         return record
 

@@ -25,7 +25,10 @@ def exported(shakespeare, tmp_path_factory):
     its JAX model, its export and eval.py's tasks."""
     root = tmp_path_factory.mktemp("eval")
     args = ["--config.block_size=32", "--config.param=sp", "--config.max_steps=60",
-            "--config.learning_rate=1e-2", "--config.min_lr=1e-2", "--config.eval_batches=1"]
+            "--config.learning_rate=1e-2", "--config.min_lr=1e-2", "--config.eval_batches=1",
+            # eval.py in the loop, at the evaluations of steps 0 and 60
+            f"--config.eval_tasks={','.join(map(str, TASKS.values()))}",
+            "--config.eval_interval=60", "--config.eval_tasks_interval=60"]
     r = run(["launch.py", *TINY_RUN, *args, f"--rundir={root / 'run'}"])
     assert r.returncode == 0, r.stderr[-2000:]
     rundir = epath.Path(root / "run")
@@ -128,3 +131,18 @@ def test_bad_task_is_one_line(exported, tmp_path):
                       (tmp_path / "none.jsonl", "neither a file nor one of hellaswag")):
         r = run(["eval.py", f"--rundir={rundir}", f"--tasks={task}"])
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_tasks_in_the_loop_log_eval_py_numbers_to_tensorboard(exported):
+    """--config.eval_tasks: the scores at the last step, read by tensorboard's own reader, are
+    eval.py's of the final checkpoint."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    model, _, tasks, rundir = exported
+    acc = EventAccumulator(str(rundir))
+    acc.Reload()
+    ours = with_eval_py(model, tasks)
+    for key, value in ours.items():
+        events = acc.Tensors(f"eval/{key}")
+        assert [e.step for e in events] == [0, 60], key
+        assert float(events[-1].tensor_proto.float_val[0]) == pytest.approx(value, rel=1e-5), key

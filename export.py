@@ -21,6 +21,7 @@ import numpy as np
 from etils import epath
 
 import sample
+import tokenization
 from configs import Config, UsageError
 
 ROOT = Path(__file__).resolve().parent
@@ -96,12 +97,11 @@ def hf_tokenizer(meta: dict):
         return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=first, pad_token=first)
     if tok["kind"] == "hf":
         core = Tokenizer.from_str(tok["json"])
-        eos = tok.get("eos")
+        eos = core.id_to_token(tok["eos"])
         return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=eos)
     from transformers.convert_slow_tokenizer import TikTokenConverter
-    import data
 
-    enc = data.encoding(tok["encoding"])
+    enc = tokenization.encoding(tok["encoding"])
     converter = TikTokenConverter(pattern=enc._pat_str)
     converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # tiktoken's own ranks
     core = converter.converted()

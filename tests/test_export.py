@@ -104,3 +104,14 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
     with pytest.raises(UsageError, match="baseline model only: attention=sharedkv"):
         export.check_exportable(variant)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_gpt2_tokenizer_export_encodes_as_tiktoken():
+    """The exported GPT-2 tokenizer (built from tiktoken's own ranks) against tiktoken."""
+    import tokenization
+
+    hf_tok = export.hf_tokenizer({"tokenizer": {"kind": "tiktoken", "encoding": "gpt2"}})
+    enc = tokenization.encoding("gpt2")
+    text = "Hello world!  It's <|endoftext|> 12345 déjà vu\n\n  spaces"
+    assert hf_tok(text)["input_ids"] == enc.encode(text, allowed_special="all")
+    assert hf_tok.eos_token_id == enc.eot_token and hf_tok.decode(hf_tok(text)["input_ids"]) == text

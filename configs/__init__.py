@@ -88,6 +88,7 @@ class Config:
     # whose step is a multiple of eval_tasks_interval (a multiple of eval_interval), and the last
     eval_tasks: str = ""
     eval_tasks_interval: int = 1000
+    wandb_project: str = ""  # also log to this Weights & Biases project (tensorboard always)
     seed: int = 0
 
     # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes;
@@ -227,8 +228,9 @@ class Config:
 # more microbatches to fit; grad_accum also sizes evaluation's batches). Anything else would make
 # the checkpoint another run's.
 RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "eval_tasks", "eval_tasks_interval",
-             "log_interval", "ckpt_interval", "ckpt_keep", "max_nonfinite", "mesh_replica", "remat",
-             "scan_unroll", "grad_accum", "loss_chunks", "data_root", "kernels")
+             "wandb_project", "log_interval", "ckpt_interval", "ckpt_keep", "max_nonfinite",
+             "mesh_replica", "remat", "scan_unroll", "grad_accum", "loss_chunks", "data_root",
+             "kernels")
 
 
 def available() -> list[str]:

@@ -260,9 +260,10 @@ def main():
     args = ap.parse_args()
     out = ROOT / Config.data_root / args.name
     try:
-        if args.name == "shakespeare_char" and (args.source or args.val_fraction is not None):
-            raise UsageError("shakespeare_char is the fixed tiny-shakespeare text "
-                             "(no --source, --val_fraction): for your own text, use another NAME")
+        fixed = (args.source, args.val_fraction is not None, args.tokenizer != "gpt2")
+        if args.name == "shakespeare_char" and any(fixed):
+            raise UsageError("shakespeare_char is the fixed tiny-shakespeare text (no --source, "
+                             "--val_fraction, --tokenizer): for your own text, use another NAME")
         elif args.name == "shakespeare_char":
             prepare_shakespeare_char(out)
         elif args.source or args.name in HF_SOURCES:

@@ -3,6 +3,7 @@
     python data.py shakespeare_char           # tiny-shakespeare's characters (fetched if absent)
     python data.py openwebtext                # HF openwebtext, GPT-2 BPE
     python data.py NAME --source=HF_ID|FILES  # a HF dataset id, or local .txt/.json/.jsonl files
+        [--tokenizer=gpt2|HF_ID|path/to/tokenizer.json]  # default: GPT-2's BPE (tiktoken)
 
 Each writes data/NAME/: train.bin and val.bin (flat token ids, uint16 when the vocabulary fits,
 else uint32) and meta.json (vocabulary, dtype, token counts, and how to encode/decode text).
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+import tokenization
 from configs import Config, UsageError
 
 ROOT = Path(__file__).resolve().parent
@@ -107,9 +109,10 @@ def documents(files: list[str], text_field: str, stamp=None):
 
 
 def prepare_text(out: Path, source: str, text_field: str = "text",
-                 val_fraction: float | None = None) -> None:
-    """GPT-2 BPE (encode_ordinary, then <|endoftext|> after each document) of a HF dataset id or
-    local files, split by shuffled documents as nanoGPT's prepare.py does."""
+                 val_fraction: float | None = None, tokenizer: str = "gpt2") -> None:
+    """The tokens of a HF dataset id or local files, each document followed by the end-of-text
+    id, split by shuffled documents as nanoGPT's prepare.py does. tokenizer: tokenization.py's
+    for_documents (GPT-2's BPE by tiktoken, a tokenizer.json, or a Hub id)."""
     import datasets
 
     if val_fraction is not None and not 0 < val_fraction < 1:
@@ -119,7 +122,7 @@ def prepare_text(out: Path, source: str, text_field: str = "text",
     files = sorted({str(p) for m in map(Path, matches)
                     for p in (m.rglob("*") if m.is_dir() else [m])
                     if p.is_file() and (p == m or p.suffix.lower() in TEXT_SUFFIXES)})
-    enc = encoding("gpt2")
+    record, vocab_size, encode = tokenization.for_documents(tokenizer)
     if files:
         code = Path(__file__).read_text()
         stamp = repr([code] + [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files])
@@ -155,25 +158,14 @@ def prepare_text(out: Path, source: str, text_field: str = "text",
     n_val = min(max(1, n_val), len(ds) - 1)
     split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
     nproc = max(1, min(8, (os.cpu_count() or 2) // 2)) if len(ds) > 1000 else None
-    tokens = split.map(lambda row: {"ids": enc.encode_ordinary(row[text_field]) + [enc.eot_token]},
+    tokens = split.map(lambda row: {"ids": encode(row[text_field])},
                        remove_columns=ds.column_names, num_proc=nproc, desc="tokenizing")
 
     def chunks(part):  # the ids 8192 documents at a time, read in turn from datasets' disk cache
         return (np.concatenate(batch["ids"]) for batch in part.with_format("numpy").iter(8192))
 
     splits = {"train": chunks(tokens["train"]), "val": chunks(tokens["test"])}
-    write_dataset(out, splits, enc.n_vocab, {"kind": "tiktoken", "encoding": "gpt2"})
-
-
-def encoding(name: str):
-    import tiktoken
-    try:
-        return tiktoken.get_encoding(name)
-    # Its files are fetched once into its cache (TIKTOKEN_CACHE_DIR): offline, a ConnectionError.
-    except Exception as e:
-        why = f"cannot load tiktoken's {name} encoding ({type(e).__name__})"
-        raise UsageError(f"{why}: get internet, or set TIKTOKEN_CACHE_DIR to a folder of its "
-                         "cached files") from None
+    write_dataset(out, splits, vocab_size, record)
 
 
 def read_meta(cfg: Config) -> dict:
@@ -189,7 +181,8 @@ def read_meta(cfg: Config) -> dict:
         meta = json.loads(path.read_text())
         np.dtype(meta["dtype"])
         int(meta["vocab_size"]), int(meta["train_tokens"]), int(meta["val_tokens"])
-        meta["tokenizer"]["chars" if meta["tokenizer"]["kind"] == "char" else "encoding"]
+        tokenizer = meta["tokenizer"]
+        tokenizer[{"char": "chars", "hf": "json"}.get(tokenizer["kind"], "encoding")]
     except (ValueError, KeyError, TypeError):
         raise UsageError(f"{path} is corrupt: rerun `python data.py {cfg.dataset}`") from None
     return meta
@@ -260,19 +253,22 @@ def main():
     ap.add_argument("--source", help="HF dataset id, or local files: a file, a quoted glob, "
                                      "a folder (searched recursively)")
     ap.add_argument("--text_field", default="text", help="the text column of a HF or JSON dataset")
+    ap.add_argument("--tokenizer", default="gpt2", help="gpt2 (tiktoken), a Hugging Face "
+                                                         "tokenizer's id or its tokenizer.json")
     ap.add_argument("--val_fraction", type=float, help="the documents held out for val "
                                                        "(default: 10%%, <= 1000, >= 0.0005)")
     args = ap.parse_args()
     out = ROOT / Config.data_root / args.name
     try:
-        if args.name == "shakespeare_char" and (args.source or args.val_fraction is not None):
-            raise UsageError("shakespeare_char is the fixed tiny-shakespeare text "
-                             "(no --source, --val_fraction): for your own text, use another NAME")
+        fixed = (args.source, args.val_fraction is not None, args.tokenizer != "gpt2")
+        if args.name == "shakespeare_char" and any(fixed):
+            raise UsageError("shakespeare_char is the fixed tiny-shakespeare text (no --source, "
+                             "--val_fraction, --tokenizer): for your own text, use another NAME")
         elif args.name == "shakespeare_char":
             prepare_shakespeare_char(out)
         elif args.source or args.name in HF_SOURCES:
             source = args.source or HF_SOURCES[args.name]
-            prepare_text(out, source, args.text_field, args.val_fraction)
+            prepare_text(out, source, args.text_field, args.val_fraction, args.tokenizer)
         else:
             raise UsageError(f"don't know where {args.name!r} comes from: "
                              "pass --source=HF_ID or --source='files/*.txt'")

@@ -6,6 +6,7 @@ peaks that MFU is measured against, and the model's FLOPs per token it counts.
 import json
 import math
 import time
+import uuid
 
 import equinox as eqx
 import jax
@@ -26,7 +27,7 @@ class Logger:
     of lines, which the tensorboard events still hold), not at every log (O(lines^2) bytes over a
     run)."""
 
-    def __init__(self, rundir: epath.Path, start: int):
+    def __init__(self, rundir: epath.Path, start: int, wandb_project: str = ""):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
@@ -47,6 +48,7 @@ class Logger:
         self.lines = [line for line in old.splitlines(keepends=True)
                       if line.endswith("\n") and json.loads(line)["step"] <= start]
         self.rewrite()
+        self.wandb = wandb_run(rundir, wandb_project) if wandb_project else None
 
     def rewrite(self) -> None:
         """The whole file, written aside and renamed into place: a kill never leaves half of it."""
@@ -69,6 +71,8 @@ class Logger:
         summary = self.summary(value=values)
         self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=summary))
         self.tb.flush()
+        if self.wandb:
+            self.wandb.log({v.tag: v.simple_value for v in values}, step=step)
 
     def text(self, step: int, tag: str, text: str) -> None:
         """Text for tensorboard's text plugin (markdown). Every process computes it: sampling takes
@@ -82,6 +86,21 @@ class Logger:
         if not self.local:
             self.rewrite()
         self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def wandb_run(rundir: epath.Path, project: str):
+    """A Weights & Biases run (--config.wandb_project) beside tensorboard, imported only when
+    asked for. Its id is kept in RUNDIR/wandb_id, so a resumed run continues the same one
+    (wandb drops the steps it already has: those after the checkpoint are not rewritten)."""
+    import wandb
+
+    path = rundir / "wandb_id"
+    run_id = path.read_text().strip() if path.exists() else uuid.uuid4().hex[:12]
+    path.write_text(run_id)
+    local = None if str(rundir).startswith("gs://") else str(rundir)
+    return wandb.init(project=project, id=run_id, resume="allow", dir=local, name=rundir.name)
 
 
 class Tally:

@@ -25,6 +25,7 @@ import numpy as np
 from etils import epath
 
 import data
+import tokenization
 from configs import Config, UsageError
 from model import GPT, KVCache
 from params import init_gpt
@@ -140,18 +141,7 @@ def preview(model: GPT, cfg: Config, prompt: list[int], n: int = 128) -> str:
 
 def tokenizer(meta: dict):
     """(encode, decode) between text and token ids, as a dataset's meta.json says."""
-    tok = meta["tokenizer"]
-    if tok["kind"] == "char":
-        index = {c: i for i, c in enumerate(tok["chars"])}
-
-        def encode(text: str) -> list[int]:
-            if unknown := "".join(sorted(set(text) - index.keys())):
-                raise UsageError(f"characters {unknown!r} are not in the dataset's vocabulary")
-            return [index[c] for c in text]
-
-        return encode, lambda ids: "".join(tok["chars"][i] for i in ids)
-    enc = data.encoding(tok["encoding"])
-    return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))
+    return tokenization.load(meta["tokenizer"])
 
 
 def read_dataset_record(rundir: epath.Path, cfg: Config) -> dict:

@@ -18,6 +18,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import data
+import eval as downstream
 import kernels
 import sample
 from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_checkpoint
@@ -28,8 +29,7 @@ from metrics import flops_per_token
 from model import GPT
 from params import Policy, init_gpt, partition_specs, policy_table
 
-# (G, B, T): every device holds B / devices sequences of each microbatch
-BATCH_SPEC = P(None, ("replica", "fsdp"), None)
+BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): B split over all the devices
 
 
 def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
@@ -267,7 +267,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     schedule = jax.jit(lr_schedule(cfg))  # one compilation, not one per eager op
     peak = (peak_flops(jax.devices()[0]) or 0) * jax.device_count()  # all devices' (0: unknown)
     flops = flops_per_token(model, cfg.block_size)
-    logger = Logger(rundir, start)
+    logger = Logger(rundir, start, cfg.wandb_project)
     say = tqdm.write if jax.process_index() == 0 else lambda text: None  # process 0 alone prints
     mfu_against = f"against {peak:.3g} FLOP/s" if peak else "unknown: no datasheet peak"
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
@@ -279,9 +279,9 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         record = evaluate(model, cfg, train_tokens, val_tokens, mesh)
         record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s}
         logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
-        # A short sample from the start of the val split, in a markdown code block (line breaks)
-        text = sample.preview(model, cfg, val_tokens[:8].tolist())
-        logger.text(step, "sample", f"```\n{text}\n```")
+        downstream.log_in_training(model, cfg, step, mesh, logger)  # cfg.eval_tasks, when due
+        text = sample.preview(model, cfg, val_tokens[:8].tolist())  # from the val split's start
+        logger.text(step, "sample", f"```\n{text}\n```")  # a markdown code block keeps line breaks
         say(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         return record
 

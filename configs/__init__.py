@@ -93,6 +93,11 @@ class Config:
     eval_interval: int = 500  # steps between evaluations (and the last step)
     eval_batches: int = 20  # fixed microbatches of train and of val data per evaluation
     log_interval: int = 10  # steps between host syncs for the progress bar and tensorboard
+    # downstream tasks (eval.py: names or .jsonl files, comma-separated) scored at the evaluations
+    # whose step is a multiple of eval_tasks_interval (a multiple of eval_interval), and the last
+    eval_tasks: str = ""
+    eval_tasks_interval: int = 1000
+    wandb_project: str = ""  # also log to this Weights & Biases project (tensorboard always)
     seed: int = 0
 
     # mesh ("replica", "fsdp"): parameters are sharded over fsdp, the batch over both axes;
@@ -170,7 +175,7 @@ class Config:
         positive = ("n_layer", "n_head", "d_model", "block_size", "batch_size", "grad_accum",
                     "max_steps", "eval_interval", "eval_batches", "log_interval", "vocab_size",
                     "vocab_multiple", "scan_unroll", "ckpt_interval", "ckpt_keep", "max_nonfinite",
-                    "d_base", "depth_base", "loss_chunks", "mesh_replica")
+                    "d_base", "depth_base", "loss_chunks", "mesh_replica", "eval_tasks_interval")
         for name in positive:  # first: the checks below divide by some of them
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
@@ -222,6 +227,9 @@ class Config:
             (0 < self.mlp_ratio < math.inf and self.mlp_width < 1,
              f"mlp_ratio={self.mlp_ratio} x d_model={self.d_model} rounds to an MLP width of 0"),
             (self.seed < 0, f"seed={self.seed} must be >= 0"),
+            (self.eval_tasks and self.eval_tasks_interval % self.eval_interval,
+             f"eval_tasks_interval={self.eval_tasks_interval} is not a multiple of "
+             f"eval_interval={self.eval_interval}: tasks are scored at evaluations"),
             (not self.dataset,
              f"dataset is empty: name a folder of {self.data_root}/ "
              f"(`python data.py NAME` makes one)"),
@@ -236,9 +244,10 @@ class Config:
 # lives and how the same step is laid out and computed (a run resumed on fewer devices may need
 # more microbatches to fit; grad_accum also sizes evaluation's batches). Anything else would make
 # the checkpoint another run's.
-RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "log_interval", "ckpt_interval",
-             "ckpt_keep", "max_nonfinite", "mesh_replica", "remat", "scan_unroll", "grad_accum",
-             "loss_chunks", "data_root", "kernels")
+RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "eval_tasks", "eval_tasks_interval",
+             "wandb_project", "log_interval", "ckpt_interval", "ckpt_keep", "max_nonfinite",
+             "mesh_replica", "remat", "scan_unroll", "grad_accum", "loss_chunks", "data_root",
+             "kernels")
 
 
 def available() -> list[str]:

@@ -1,0 +1,148 @@
+"""eval.py against EleutherAI's lm-evaluation-harness scoring the exported model, against values
+computed by hand, and on 1 and 4 devices."""
+import json
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+from etils import epath
+
+import eval as downstream
+import export
+import sample
+from conftest import ROOT, TINY_RUN, run
+
+lm_eval = pytest.importorskip("lm_eval")
+torch = pytest.importorskip("torch")
+TASKS = {"mugpt_mc3": ROOT / "tests/tasks/mc3.jsonl",
+         "mugpt_lastword3": ROOT / "tests/tasks/lastword3.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def exported(shakespeare, tmp_path_factory):
+    """A tiny run (60 steps, 32-token context: the fixtures' longest choice is 18 characters),
+    its JAX model, its export and eval.py's tasks."""
+    root = tmp_path_factory.mktemp("eval")
+    args = ["--config.block_size=32", "--config.param=sp", "--config.max_steps=60",
+            "--config.learning_rate=1e-2", "--config.min_lr=1e-2", "--config.eval_batches=1",
+            # eval.py in the loop, at the evaluations of steps 0 and 60
+            f"--config.eval_tasks={','.join(map(str, TASKS.values()))}",
+            "--config.eval_interval=60", "--config.eval_tasks_interval=60"]
+    r = run(["launch.py", *TINY_RUN, *args, f"--rundir={root / 'run'}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    rundir = epath.Path(root / "run")
+    export.export(rundir, root / "hf")
+    cfg = sample.read_config(rundir)
+    model, _ = sample.restore_model(rundir, cfg, None)
+    tasks = downstream.Tasks([str(p) for p in TASKS.values()],
+                             sample.read_dataset_record(rundir, cfg), cfg.block_size)
+    return model, root / "hf", tasks, rundir
+
+
+def with_eval_py(model, tasks) -> dict:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return tasks(model, one, 8)
+
+
+def with_lm_eval(hf_dir, monkeypatch, model=None) -> tuple[dict, dict]:
+    """lm-eval's metrics (named as eval.py names them) and its per-request log-likelihoods, of
+    the exported directory, or of `model` (a torch model) with its tokenizer."""
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(ROOT)  # the task YAMLs name their files from the repo root
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    if model is None:
+        lm = HFLM(pretrained=str(hf_dir), trust_remote_code=True, dtype="float32", batch_size=4,
+                  device="cpu")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4, device="cpu")
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), log_samples=True,
+                                  task_manager=TaskManager(include_path=str(ROOT / "tests/tasks")))
+    metrics, lls = {}, {}
+    for task, path in TASKS.items():
+        name = path.stem
+        for key, value in out["results"][task].items():
+            metric, _, _ = key.partition(",")
+            if metric in ("acc", "acc_norm", "perplexity"):
+                metrics[f"{name}/{'ppl' if metric == 'perplexity' else metric}"] = value
+        samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
+        lls[name] = [ll for s in samples for ll, _ in s["filtered_resps"]] if "mc" in name \
+            else [s["filtered_resps"][0][0] for s in samples]
+    return metrics, lls
+
+
+def test_lm_eval_agrees_with_eval_py(exported, monkeypatch):
+    model, hf_dir, tasks, _ = exported
+    ours = with_eval_py(model, tasks)
+    theirs, their_lls = with_lm_eval(hf_dir, monkeypatch)
+    assert set(ours) == set(theirs) == {"mc3/acc", "mc3/acc_norm", "lastword3/acc",
+                                        "lastword3/ppl"}
+    for key in ours:
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-4), key
+    for name, (examples, (x, y, m)) in tasks.tasks.items():  # every request's log-likelihood
+        lls, _ = downstream.loglikelihoods(model, x, y, m, tasks.n_vocab,
+                                           jax.sharding.SingleDeviceSharding(jax.devices()[0]), 8)
+        np.testing.assert_allclose(lls, their_lls[name], atol=1e-3, rtol=1e-5)
+    print(json.dumps({"eval.py": ours, "lm_eval": theirs}))
+
+
+def test_a_uniform_model_scores_as_computed_by_hand(exported, monkeypatch):
+    """A zero readout makes every token 1/65 likely: a choice's log-likelihood is -n ln 65 for
+    its n characters, so acc picks the shortest (mc3: right in examples 1 and 3, not 2); the
+    last words' perplexity is 65 ** (mean characters) = 65 ** (17/3) (" speak", " name",
+    " Romeo"); the argmax of equal logits is id 0, a newline, so no word is guessed."""
+    model, hf_dir, tasks, _ = exported
+    uniform = eqx.tree_at(lambda m: m.emb.unembed, model, replace_fn=lambda u: 0 * u)
+    by_hand = {"mc3/acc": 2 / 3, "lastword3/ppl": 65 ** (17 / 3), "lastword3/acc": 0.0}
+    ours = with_eval_py(uniform, tasks)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
+    with torch.no_grad():
+        hf.unembed.zero_()
+    theirs, _ = with_lm_eval(hf_dir, monkeypatch, model=hf)
+    for key, value in by_hand.items():
+        assert ours[key] == pytest.approx(value, rel=1e-5), key
+        assert theirs[key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_one_and_four_devices_give_the_same_numbers(exported):
+    model, _, tasks, rundir = exported
+    ours = with_eval_py(model, tasks)
+    r = run(["eval.py", f"--rundir={rundir}", f"--tasks={','.join(map(str, TASKS.values()))}",
+             "--batch_size=4"], {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    four = json.loads(r.stdout.splitlines()[-1])
+    assert four.pop("step") == 60
+    assert four.keys() == ours.keys()
+    for key in ours:
+        assert four[key] == pytest.approx(ours[key], rel=1e-6), key
+
+
+def test_bad_task_is_one_line(exported, tmp_path):
+    _, _, _, rundir = exported
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "no context"}\n')
+    for task, why in ((bad, "example 1: needs context, choices and label"),
+                      (tmp_path / "none.jsonl", "neither a file nor one of hellaswag")):
+        r = run(["eval.py", f"--rundir={rundir}", f"--tasks={task}"])
+        assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_tasks_in_the_loop_log_eval_py_numbers_to_tensorboard(exported):
+    """--config.eval_tasks: the scores at the last step, read by tensorboard's own reader, are
+    eval.py's of the final checkpoint."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    model, _, tasks, rundir = exported
+    acc = EventAccumulator(str(rundir))
+    acc.Reload()
+    ours = with_eval_py(model, tasks)
+    for key, value in ours.items():
+        events = acc.Tensors(f"eval/{key}")
+        assert [e.step for e in events] == [0, 60], key
+        assert float(events[-1].tensor_proto.float_val[0]) == pytest.approx(value, rel=1e-5), key

@@ -1,0 +1,119 @@
+"""export.py: the exported PyTorch model (loaded by transformers itself) against the JAX model.
+Runs are trained by launch.py in subprocesses (one of them on 4 simulated devices, FSDP-sharded)
+and exported here on one CPU device."""
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from etils import epath
+
+import export
+import sample
+from conftest import TINY_RUN, run
+from configs import UsageError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak."
+# name -> (launch.py arguments beyond TINY_RUN, environment)
+RUNS = {
+    # SP, untied; more steps so that greedy decoding is not one repeated character
+    "sp": (["--config.param=sp", "--config.max_steps=60", "--config.learning_rate=1e-2",
+            "--config.min_lr=1e-2"], {}),
+    # muP at width_mult 2 and depth_mult 2 (readout 1/2, branches 1/2), tied, norm gains, alpha_in
+    "mup_tied": (["--config.param=mup", "--config.d_base=16", "--config.depth_base=1",
+                  "--config.tie_embeddings=true", "--config.norm_gain=true",
+                  "--config.alpha_in=1.5", "--config.max_steps=10"], {}),
+    # 4 devices: every matrix sharded 4 ways in the checkpoint
+    "fsdp4": (["--config.max_steps=10"], {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(shakespeare, tmp_path_factory):
+    """Each run's directory and its export."""
+    root = tmp_path_factory.mktemp("export")
+    out = {}
+    for name, (args, env) in RUNS.items():
+        rundir = root / name
+        r = run(["launch.py", *TINY_RUN, "--config.eval_batches=1", f"--rundir={rundir}", *args],
+                env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        export.export(epath.Path(rundir), root / f"{name}_hf")
+        out[name] = rundir, root / f"{name}_hf"
+    return out
+
+
+def load(rundir, hf_dir):
+    """The JAX model (float32, on one device) and the exported one as transformers loads it."""
+    cfg = dataclasses.replace(sample.read_config(epath.Path(rundir)), compute_dtype="float32")
+    model, _ = sample.restore_model(epath.Path(rundir), cfg, None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
+    return model, cfg, hf.eval(), tokenizer
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_pytorch_logits_equal_jax_logits(runs, name):
+    model, cfg, hf, tokenizer = load(*runs[name])
+    encode, _ = sample.tokenizer(sample.read_dataset_record(epath.Path(runs[name][0]), cfg))
+    ids = encode(TEXT[:cfg.block_size])
+    assert tokenizer(TEXT[:cfg.block_size])["input_ids"] == ids  # the same tokenizer
+    want_TV = np.asarray(model(jnp.asarray(ids)))
+    with torch.no_grad():
+        got_TV = hf(torch.tensor([ids])).logits[0].numpy()
+    # the padded vocabulary's rows are not exported: generate can never pick one
+    assert got_TV.shape == (len(ids), 65) and want_TV.shape == (len(ids), 128)
+    diff = np.abs(got_TV - want_TV[:, :65]).max()
+    print(f"{name}: max |PyTorch - JAX| logit = {diff:.3g}")
+    assert diff <= 1e-4
+    assert np.abs(want_TV[:, :65]).max() > 0.1  # a trained readout, not zeros
+
+
+def test_greedy_generate_equals_sample_py(runs):
+    """transformers' generate (with its KV cache) against sample.generate at temperature 0, within
+    the block (sample.py slides its window beyond it, transformers does not)."""
+    model, cfg, hf, tokenizer = load(*runs["sp"])
+    prompt = tokenizer("First")["input_ids"]
+    n = cfg.block_size - len(prompt)
+    want = sample.generate(model, sample.prompt_window(prompt, cfg.block_size), jax.random.key(0),
+                           jnp.float32(0.0), num_samples=1, max_new_tokens=n, n_vocab=65)
+    want = np.asarray(want)[0].tolist()
+    with torch.no_grad():
+        got = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                          use_cache=True, attention_mask=torch.ones(1, len(prompt), dtype=int))
+    assert len(set(want)) > 2  # not one character repeated
+    assert got[0, len(prompt):].tolist() == want
+
+
+def test_bad_input_is_one_line(runs, tmp_path, capsys):
+    rundir, hf_dir = runs["sp"]
+    with pytest.raises(UsageError, match="exists and is not empty: pass --force"):
+        export.export(epath.Path(rundir), hf_dir)
+    with pytest.raises(UsageError, match="--step=7: .* has checkpoints of steps 60 only"):
+        export.export(epath.Path(rundir), tmp_path / "a", step=7)
+    empty = tmp_path / "no_ckpt"
+    empty.mkdir()
+    for name in ("config.json", "dataset.json"):
+        (empty / name).write_text((rundir / name).read_text())
+    with pytest.raises(SystemExit, match="error: .* has no checkpoint yet"):
+        export.main([f"--rundir={empty}", f"--out={tmp_path / 'b'}"])
+    variant = types.SimpleNamespace(attention="sharedkv", n_head=2)
+    with pytest.raises(UsageError, match="baseline model only: attention=sharedkv"):
+        export.check_exportable(variant)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_gpt2_tokenizer_export_encodes_as_tiktoken():
+    """The exported GPT-2 tokenizer (built from tiktoken's own ranks) against tiktoken."""
+    import tokenization
+
+    hf_tok = export.hf_tokenizer({"tokenizer": {"kind": "tiktoken", "encoding": "gpt2"}})
+    enc = tokenization.encoding("gpt2")
+    text = "Hello world!  It's <|endoftext|> 12345 déjà vu\n\n  spaces"
+    assert hf_tok(text)["input_ids"] == enc.encode(text, allowed_special="all")
+    assert hf_tok.eos_token_id == enc.eot_token and hf_tok.decode(hf_tok(text)["input_ids"]) == text

@@ -1,0 +1,66 @@
+"""Tokenizers, as a dataset's meta.json records them ({"kind": ...}) so that train, sample, eval
+and export all use the dataset's own: "char" (shakespeare_char's characters), "tiktoken"
+(GPT-2's BPE) and "hf", any Hugging Face `tokenizers` tokenizer, its tokenizer.json kept whole
+in the record (a run directory's dataset.json then holds it, whatever happens to the file)."""
+from pathlib import Path
+from typing import Callable
+
+from configs import UsageError
+
+# end-of-text tokens that separate documents, looked for in this order in a HF tokenizer
+EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+
+
+def encoding(name: str):
+    import tiktoken
+    try:
+        return tiktoken.get_encoding(name)
+    # Its files are fetched once into its cache (TIKTOKEN_CACHE_DIR): offline, a ConnectionError.
+    except Exception as e:
+        why = f"cannot load tiktoken's {name} encoding ({type(e).__name__})"
+        raise UsageError(f"{why}: get internet, or set TIKTOKEN_CACHE_DIR to a folder of its "
+                         "cached files") from None
+
+
+def for_documents(name: str) -> tuple[dict, int, Callable[[str], list[int]]]:
+    """data.py's tokenizer: its record, its vocabulary size, and a function from a document to
+    its ids followed by the end-of-text id. name: gpt2, a tokenizer.json, or a Hub id."""
+    if name == "gpt2":
+        enc = encoding(name)
+        record = {"kind": "tiktoken", "encoding": name, "eos": enc.eot_token}
+        return record, enc.n_vocab, lambda text: enc.encode_ordinary(text) + [enc.eot_token]
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(name) if Path(name).is_file() else Tokenizer.from_pretrained(name)
+    except Exception as e:  # not a tokenizer.json, or no such Hub id, or offline
+        raise UsageError(f"--tokenizer={name}: neither gpt2, a tokenizer.json nor a Hugging Face "
+                         f"id that loads ({type(e).__name__}: {str(e)[:100]})") from None
+    vocab = tok.get_vocab()
+    eos = next((t for t in EOS_NAMES if t in vocab), None)
+    if eos is None:
+        raise UsageError(f"--tokenizer={name} has none of the end-of-text tokens {EOS_NAMES}: "
+                         "add one, to separate the documents")
+    record = {"kind": "hf", "name": name, "eos": vocab[eos], "json": tok.to_str()}
+    return record, tok.get_vocab_size(), lambda text: tok.encode(text).ids + [vocab[eos]]
+
+
+def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+    """(encode, decode) between text and ids, as meta.json's record says."""
+    if record["kind"] == "char":
+        index = {c: i for i, c in enumerate(record["chars"])}
+
+        def encode(text: str) -> list[int]:
+            if unknown := "".join(sorted(set(text) - index.keys())):
+                raise UsageError(f"characters {unknown!r} are not in the dataset's vocabulary")
+            return [index[c] for c in text]
+
+        return encode, lambda ids: "".join(record["chars"][i] for i in ids)
+    if record["kind"] == "hf":
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(record["json"])
+        encode = lambda text: tok.encode(text, add_special_tokens=False).ids
+        return encode, lambda ids: tok.decode(list(ids), skip_special_tokens=False)
+    enc = encoding(record["encoding"])
+    return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))

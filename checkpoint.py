@@ -4,23 +4,21 @@ A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each pro
 own shards) and the host-side Tally of the step metrics (metrics.py), so a resumed run continues
 exactly where the saved one was. sample.py restores the model alone (restore_model).
 
-Each checkpoint also holds RECORD, written just before orbax commits it: the size of each of its
-files and the CRC32 of the small ones (the metadata). A restore checks the files against it, so a
-damaged checkpoint (a file cut short or lost, metadata altered) is told from one of another model
-(check_fits); resume() sets a damaged one aside and goes back to the newest intact one.
+A restore checks a checkpoint's files against the record of what its save wrote (written.py), so
+that damage (a file cut short or lost, metadata altered) is told from a checkpoint of another
+model (check_fits); resume() sets a damaged one aside and goes back to the newest intact one.
 """
 import contextlib
 import copy
 import errno
-import json
 import logging
 import shutil
 import sys
-import zlib
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from etils import epath
@@ -28,12 +26,7 @@ from jax.experimental import multihost_utils
 
 from configs import Config, RunError, UsageError
 from model import GPT
-
-RECORD = "written.json"  # in each checkpoint: {file: [bytes, CRC32 or None]}
-# Files up to this size (orbax's metadata) are checksummed as well: a checksum reads the whole file
-# back, which for the array data (all but a few KB of a checkpoint) would cost a read of the
-# checkpoint at each save. Their sizes catch what a partial copy or a full disk does to them.
-CHECKSUMMED = 1 << 20
+from written import damage, files, record_pending
 
 
 def checkpoint_manager(rundir: epath.Path, cfg: Config,
@@ -108,49 +101,46 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
 
 def resume(mngr: ocp.CheckpointManager, model: GPT,
            opt_state) -> tuple[int, GPT, optax.OptState, dict | None]:
-    """(step, model, opt_state, tally) of the newest intact checkpoint (restore_checkpoint), or
-    (0, model, opt_state, None) in a run directory without checkpoints. A damaged one is said in
-    one line and renamed STEP.damaged (orbax ignores that name), never deleted: the files may yet
-    be copied back. With damaged checkpoints and no intact one the run stops: trained from step 0,
-    it would overwrite the logs of the run they hold."""
-    first, found, set_aside = jax.process_index() == 0, None, False
+    """(step, model, opt_state, tally) of the newest intact checkpoint, or (0, model, opt_state,
+    None) if there is none. A damaged one is said in one line and renamed STEP.damaged (orbax
+    ignores that name), never deleted: its files may yet be copied back. With only damaged ones the
+    run stops: trained from step 0, it would overwrite the logs of the run they hold."""
+    first, found = jax.process_index() == 0, (0, model, opt_state, None)
     steps = sorted(mngr.all_steps(), reverse=True)
-    sync("mugpt: checkpoints listed")  # before process 0 renames any
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("mugpt: checkpoints listed")  # before any rename
     for step in steps:
         try:
             found = step, *restore_checkpoint(mngr, model, opt_state, step)
             break
         except Damaged as e:
-            set_aside = True
+            names = (f"{step}.damaged{n or ''}" for n in range(1000))  # damaged again: .damaged1
+            aside = next(n for n in names if not (mngr.directory / n).exists())
             if first:  # process 0 alone renames; the others find the same damage
-                aside = aside_name(mngr.directory, step)
                 (mngr.directory / str(step)).rename(mngr.directory / aside)
                 print(f"warning: {e}; renamed {aside}", file=sys.stderr, flush=True)
-    sync("mugpt: damaged checkpoints renamed")
+    agree(found[0])
     mngr.reload()  # forget the renamed steps: the run saves them again
-    if found:
-        if set_aside and first:
-            print(f"warning: resuming from the newest intact checkpoint, step {found[0]}",
-                  file=sys.stderr, flush=True)
-        return found
+    if found[0] and found[0] != steps[0] and first:
+        print(f"warning: resuming from the newest intact checkpoint, step {found[0]}",
+              file=sys.stderr, flush=True)
     damaged = [p.name for p in mngr.directory.iterdir() if ".damaged" in p.name] \
         if mngr.directory.exists() else []
-    if damaged:
+    if not found[0] and damaged:
         raise RunError(f"no intact checkpoint in {mngr.directory}, only damaged ones "
                        f"({', '.join(sorted(damaged))}): copy them back from elsewhere, or "
                        f"delete them to train from step 0")
-    return 0, model, opt_state, None
+    return found
 
 
-def sync(name: str) -> None:
+def agree(step: int) -> None:
+    """Each process reads only its own shards: damage found by reading (a checkpoint without
+    RECORD) may stop some processes only. Waits for process 0's renames too."""
     if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(name)
-
-
-def aside_name(directory: epath.Path, step: int) -> str:
-    """STEP.damaged, or STEP.damaged.N when a step damaged again meets the first one."""
-    names = (f"{step}.damaged" + (f".{n}" if n else "") for n in range(1000))
-    return next(name for name in names if not (directory / name).exists())
+        steps = set(multihost_utils.process_allgather(np.int32(step)).tolist())
+        if len(steps) > 1:
+            raise RunError(f"the processes found different checkpoints intact (steps "
+                           f"{sorted(steps)}): rename the damaged one STEP.damaged")
 
 
 def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = None) -> GPT:
@@ -217,50 +207,6 @@ def damage_as_one_line(mngr: ocp.CheckpointManager, step: int):
         first = (str(cause) or type(cause).__name__).splitlines()[0]
         raise Damaged(f"the checkpoint of step {step} is damaged: reading it failed: "
                       f"{first}") from None
-
-
-def files(directory: epath.Path) -> dict[str, epath.Path]:
-    return {str((top / f).relative_to(directory)): top / f
-            for top, _, names in directory.walk() for f in names}
-
-
-def record_pending(directory: epath.Path) -> None:
-    """Write RECORD into each step being saved: a temporary directory, or on GCS (written in
-    place, marked complete by a commit file) a step directory without that file yet."""
-    if jax.process_index() != 0 or not directory.exists():  # process 0 sees every process's files
-        return
-    for step_dir in directory.iterdir():
-        pending = step_dir.name.isdigit() and not (step_dir / "commit_success.txt").exists()
-        if ocp.path.step.TMP_DIR_SUFFIX in step_dir.name or pending:
-            written = {}
-            # the items' files; orbax adds the commit time to the step's own metadata after this
-            for name, path in sorted(files(step_dir).items()):
-                if "/" not in name:
-                    continue
-                size = path.stat().length
-                crc = zlib.crc32(path.read_bytes()) if size <= CHECKSUMMED else None
-                written[name] = [size, crc]
-            (step_dir / RECORD).write_text(json.dumps(written))
-
-
-def damage(step_dir: epath.Path) -> str | None:
-    """The first of the checkpoint's files that differs from its RECORD; None if none does or it
-    has no RECORD."""
-    if not (step_dir / RECORD).exists():
-        return None
-    try:
-        written = json.loads((step_dir / RECORD).read_text())
-    except ValueError:
-        return f"its {RECORD} is unreadable"
-    have = files(step_dir)
-    for name, (size, crc) in written.items():
-        if name not in have:
-            return f"{name} is missing"
-        if (length := have[name].stat().length) != size:
-            return f"{name} has {length} bytes, {size} were written"
-        if crc is not None and zlib.crc32(have[name].read_bytes()) != crc:
-            return f"{name} differs from what was written (CRC32)"
-    return None
 
 
 def check_space(mngr: ocp.CheckpointManager, step: int, state: dict) -> None:

@@ -10,11 +10,12 @@ import pytest
 from etils import epath
 
 import train
-from checkpoint import checkpoint_manager, damage, resume, save_checkpoint
+from checkpoint import checkpoint_manager, resume, save_checkpoint
 from configs import UsageError
 from conftest import tiny
 from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, env,  # noqa: F401
                              final_state, launch_args, records, run, tiny_config)
+from written import damage
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +203,15 @@ def test_sample_reads_a_read_only_run_directory_without_the_lock(straight, tmp_p
     finally:
         subprocess.run(["chmod", "-R", "u+w", str(rundir)], check=True)
         lock.close()
+
+
+def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, env):  # noqa: F811
+    """sample.py leaves a damaged checkpoint as it is (the run may be someone else's) and says
+    which steps it could read instead."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    expected = truncate(rundir / "checkpoints" / str(STEPS))
+    r = run(["sample.py", f"--rundir={rundir}", "--num_samples=1", "--max_new_tokens=8"], env)
+    assert_one_line_error(r, f"the checkpoint of step {STEPS} is damaged: {expected}")
+    assert r.stderr.strip().endswith(f"were written (pass --step=: there are also {STEPS // 2})")
+    assert committed_steps(rundir) == [STEPS // 2, STEPS]

@@ -185,11 +185,14 @@ def listing(root) -> list[tuple]:
 
 
 def test_sample_reads_a_read_only_run_directory_without_the_lock(straight, tmp_path, env):  # noqa: F811,E501
-    """Someone else's run: a copy without write permission, its training lock held (as by a live
-    launch). sample.py samples from it and leaves every file and time stamp as it was (root may
-    write despite the permissions: the listing is what shows nothing was written)."""
+    """Someone else's run: a copy without write permission, its training lock held and a save in
+    flight (orbax's temporary directory), as by a live launch. sample.py samples from it and leaves
+    every file and time stamp as it was (root may write despite the permissions: the listing is
+    what shows nothing was written)."""
     rundir = tmp_path / "run"
     shutil.copytree(straight[0], rundir)
+    in_flight = rundir / "checkpoints" / f"{2 * STEPS}.orbax-checkpoint-tmp"
+    shutil.copytree(rundir / "checkpoints" / str(STEPS) / "state", in_flight / "state")
     lock = open(rundir / ".lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     subprocess.run(["chmod", "-R", "a-w", str(rundir)], check=True)

@@ -1,6 +1,7 @@
 """Damage rather than interruption: checkpoints cut short, lost or altered, a full disk, and a run
 directory read by someone else. Real orbax, real launches, a real (tmpfs) filesystem."""
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import train
 from checkpoint import checkpoint_manager, resume, save_checkpoint
 from configs import UsageError
 from conftest import tiny
+from metrics import Logger
 from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, env,  # noqa: F401
                              final_state, launch_args, records, run, tiny_config)
 from written import damage
@@ -218,3 +220,18 @@ def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, en
     assert_one_line_error(r, f"the checkpoint of step {STEPS} is damaged: {expected}")
     assert r.stderr.strip().endswith(f"were written (pass --step=: there are also {STEPS // 2})")
     assert committed_steps(rundir) == [STEPS // 2, STEPS]
+
+
+def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path):
+    """After a power loss a filesystem may keep an appended line's length but not its bytes (zeros);
+    a resume at step 20 drops it and any other line that is not a record, keeping the steps up to
+    20 once each."""
+    path = tmp_path / "metrics.jsonl"
+    lines = ['{"step": 10, "loss": 1.0}', "\0" * 25, '{"step": 20, "loss": 2.0}', "[]",
+             '{"step": 30, "loss": 3.0}']
+    path.write_text("".join(line + "\n" for line in lines))
+    logger = Logger(epath.Path(tmp_path), 20)
+    logger.log(30, {"loss": 4.0}, {})
+    logger.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 10, "loss": 1.0}, {"step": 20, "loss": 2.0}, {"step": 30, "loss": 4.0}]

@@ -200,8 +200,8 @@ def damage_as_one_line(mngr: ocp.CheckpointManager, step: int):
         raise
     except Exception as e:
         # orbax raises a plain Exception from tensorstore's ValueError, which names the file
-        cause = next((c for c in (e, e.__cause__) if isinstance(c, (OSError, ValueError, KeyError))),
-                     None)
+        read = (OSError, ValueError, KeyError)
+        cause = next((c for c in (e, e.__cause__) if isinstance(c, read)), None)
         if cause is None:
             raise
         first = (str(cause) or type(cause).__name__).splitlines()[0]
@@ -259,9 +259,9 @@ def one_line(what: str):
 
 def quiet_failed_saves() -> None:
     """train.py reports a failed checkpoint save (a full disk) or read in one line. Orbax would
-    also log it as several tracebacks, asyncio one more for each of its concurrent write tasks that failed
-    alike, and each tensorstore write still in flight one when it finds orbax's event loop closed;
-    --debug shows them."""
+    also log it as several tracebacks, asyncio one more for each of its concurrent write tasks
+    that failed alike, and each tensorstore write still in flight one when it finds orbax's event
+    loop closed; --debug shows them."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     default = sys.unraisablehook

@@ -15,13 +15,16 @@ from checkpoint import checkpoint_manager, resume, save_checkpoint
 from configs import UsageError
 from conftest import tiny
 from metrics import Logger
-from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, env,  # noqa: F401
-                             final_state, launch_args, records, run, tiny_config)
+import test_checkpoint
+from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, final_state,
+                             launch_args, records, run, tiny_config)
 from written import damage
+
+env = test_checkpoint.env  # its fixture: the launches share one compilation cache
 
 
 @pytest.fixture(scope="module")
-def straight(shakespeare, tmp_path_factory, env):  # noqa: F811
+def straight(shakespeare, tmp_path_factory, env):
     """STEPS steps without interruption, checkpoints at STEPS/2 and STEPS: (its run directory, to
     be copied and damaged, its metrics.jsonl, tensorboard's scalars and the final state)."""
     rundir = tmp_path_factory.mktemp("straight") / "run"
@@ -45,7 +48,8 @@ def tensorboard_scalars(rundir) -> dict[str, list[tuple[int, float]]]:
 
 def largest(directory) -> list:
     """The checkpoint's array data files (orbax's OCDBT), largest first."""
-    return sorted((directory / "state").glob("ocdbt.process_*/d/*"), key=lambda p: -p.stat().st_size)
+    data = (directory / "state").glob("ocdbt.process_*/d/*")
+    return sorted(data, key=lambda p: -p.stat().st_size)
 
 
 def truncate(ckpt):
@@ -80,7 +84,7 @@ def truncate_unrecorded(ckpt):
 
 @pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, truncate_unrecorded])
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_one(
-        straight, tmp_path, env, damage_it):  # noqa: F811
+        straight, tmp_path, env, damage_it):
     """The straight run's directory with its last checkpoint damaged, and the same command again:
     one line names the step and the file, the checkpoint is kept as STEP.damaged, and the run
     trains again from the one before to the end: metrics.jsonl, tensorboard's scalars (each step
@@ -106,7 +110,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_o
         np.testing.assert_array_equal(a, b)
 
 
-def test_no_intact_checkpoint_is_one_line_and_keeps_them(straight, tmp_path, env):  # noqa: F811
+def test_no_intact_checkpoint_is_one_line_and_keeps_them(straight, tmp_path, env):
     """Every checkpoint damaged: one line and exit 1, both kept, the logs untouched; the next launch
     says the same rather than train from step 0 over the run's logs."""
     rundir = tmp_path / "run"
@@ -152,7 +156,8 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", str(where)], check=True)
 
 
-def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_freed(straight, tmpfs, env):  # noqa: F811,E501
+def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_freed(straight, tmpfs,
+                                                                         env):
     """On a tmpfs with room for the run's files and one checkpoint, not two: the second save stops
     the run with one line naming the directory and the space; the first checkpoint is intact. With
     the filesystem made larger (space freed), the same command trains to the end as the straight
@@ -186,7 +191,8 @@ def listing(root) -> list[tuple]:
                   for p in root.rglob("*"))
 
 
-def test_sample_reads_a_read_only_run_directory_without_the_lock(straight, tmp_path, env):  # noqa: F811,E501
+def test_sample_reads_a_read_only_run_directory_without_the_lock(straight, tmp_path,
+                                                                 env):
     """Someone else's run: a copy without write permission, its training lock held and a save in
     flight (orbax's temporary directory), as by a live launch. sample.py samples from it and leaves
     every file and time stamp as it was (root may write despite the permissions: the listing is
@@ -210,7 +216,7 @@ def test_sample_reads_a_read_only_run_directory_without_the_lock(straight, tmp_p
         lock.close()
 
 
-def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, env):  # noqa: F811
+def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, env):
     """sample.py leaves a damaged checkpoint as it is (the run may be someone else's) and says
     which steps it could read instead."""
     rundir = tmp_path / "run"

@@ -220,11 +220,11 @@ def check_space(mngr: ocp.CheckpointManager, step: int, state: dict) -> None:
     sizes = [p.stat().length for p in files(directory / str(last)).values()] if last else []
     needed = sum(sizes) or sum(x.nbytes for x in jax.tree.leaves(state) if eqx.is_array(x))
     free = shutil.disk_usage(directory).free
+    size = lambda n: f"{n / 2**20:,.1f} MiB" if n >= 2**30 else f"{n:,} bytes"  # never "1 of 1"
     if free < needed:
         raise RunError(f"no space for the checkpoint of step {step} in {directory}: it needs "
-                       f"{needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free (the "
-                       f"checkpoints up to step {last} are intact): free some and run the same "
-                       f"command to resume")
+                       f"{size(needed)}, {size(free)} are free (the checkpoints up to step "
+                       f"{last} are intact): free some and run the same command to resume")
 
 
 def state_dir(mngr: ocp.CheckpointManager, step: int) -> epath.Path:

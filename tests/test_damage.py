@@ -3,6 +3,7 @@ directory read by someone else. Real orbax, real launches, a real (tmpfs) filesy
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -172,7 +173,11 @@ def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_freed(straigh
     r = run(args, env)
     assert_one_line_error(r, f"no space for the checkpoint of step 8 in {rundir / 'checkpoints'}: "
                              f"it needs ")
-    assert "MiB are free (the checkpoints up to step 4 are intact): free some and run the same " \
+    # it needs what the checkpoint of step 4 took
+    needed, free = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) bytes", r.stderr))
+    assert needed == sum(p.stat().st_size for p in (rundir / "checkpoints" / "4").rglob("*")
+                         if p.is_file()) and free < needed
+    assert "are free (the checkpoints up to step 4 are intact): free some and run the same " \
            "command to resume" in r.stderr
     assert committed_steps(rundir) == [4]
     assert damage(epath.Path(rundir / "checkpoints" / "4")) is None

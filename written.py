@@ -20,6 +20,7 @@ CHECKSUMMED = 1 << 20
 def files(directory: epath.Path) -> dict[str, epath.Path]:
     """{path relative to directory: path} of every file below it (rglob's "**" is refused on
     GCS)."""
+    directory = epath.Path(directory)  # (train.train may be given a pathlib.Path)
     return {str((top / f).relative_to(directory)): top / f
             for top, _, names in directory.walk() for f in names}
 

@@ -1,5 +1,6 @@
 """Time the real train step:
     python bench.py --config=NAME [--config.FIELD=VALUE ...] [--steps=N] [--torch] [--trace=DIR]
+                    [--checkpoint=DIR]
 
 Builds the step with train.setup() (the code path training uses, kernels' self-check included),
 compiles it, warms up, times N steps on random tokens and prints one JSON line. On a CPU, which has
@@ -7,7 +8,8 @@ no datasheet peak, it also times a large matmul in the same process and reports 
 rate as a fraction of that measured peak. --torch also times a straightforward eager PyTorch
 version of the same model in the same process, in blocks that alternate with the JAX step's, and
 reports the medians. --trace=DIR also traces 3 steps with jax.profiler into DIR (tensorboard's
-profile tab, ui.perfetto.dev) and prints to stderr where the time went.
+profile tab, ui.perfetto.dev) and prints to stderr where the time went. --checkpoint=DIR also
+saves the state as training does and times the save and the record of what it wrote.
 Split a CPU into N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 import argparse
@@ -154,7 +156,32 @@ def kernels_in(gpt) -> set[str]:
     return {name for name, fn in fast.items() if fn}
 
 
-def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | None = None) -> dict:
+def time_checkpoint(cfg: Config, state: tuple, where: str) -> dict:
+    """Seconds to save `state` as training does, waiting until it is written, and milliseconds for
+    written.py's record of its files and the check of them at restore: what telling damage from
+    another model costs."""
+    from etils import epath
+
+    import checkpoint
+    import written
+
+    mngr = checkpoint.checkpoint_manager(epath.Path(where).absolute(), cfg)
+    t0 = time.perf_counter()
+    checkpoint.save_checkpoint(mngr, 1, *state, {})
+    mngr.wait_until_finished()
+    t1 = time.perf_counter()
+    step_dir = mngr.directory / "1"
+    written.record(step_dir)  # (again: the save wrote the same record once)
+    t2 = time.perf_counter()
+    assert written.damage(step_dir) is None
+    t3 = time.perf_counter()
+    size = sum(p.stat().length for p in written.files(step_dir).values())
+    return {"checkpoint_bytes": size, "checkpoint_save_s": round(t1 - t0, 2),
+            "record_ms": round(1e3 * (t2 - t1), 2), "check_ms": round(1e3 * (t3 - t2), 2)}
+
+
+def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | None = None,
+          checkpoint_dir: str | None = None) -> dict:
     import jax
     import numpy as np
     from jax.sharding import NamedSharding
@@ -214,6 +241,8 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
     if with_torch:
         result |= {"torch_step_ms": round(1e3 * torch_s, 2),
                    "step_over_torch": float(f"{step_s / torch_s:.4g}")}
+    if checkpoint_dir:
+        result |= time_checkpoint(cfg, state, checkpoint_dir)
     return result
 
 
@@ -225,6 +254,9 @@ def main() -> None:
                     help="also time an eager PyTorch version (needs torch)")
     ap.add_argument("--trace", metavar="DIR",
                     help="also trace 3 calls into DIR; print the costliest ops to stderr")
+    ap.add_argument("--checkpoint", metavar="DIR",
+                    help="also save the state as a checkpoint into DIR (a new directory) and time "
+                         "it, with the record of its files (written.py) and the check at restore")
     args, overrides = ap.parse_known_args()
     try:
         if args.steps < 1:
@@ -232,6 +264,8 @@ def main() -> None:
         if args.torch and importlib.util.find_spec("torch") is None:
             raise UsageError("--torch needs PyTorch, which is not installed: pip install torch")
         cfg = configs.apply_overrides(configs.load(args.config), overrides)
+        if args.checkpoint and Path(args.checkpoint).exists():
+            raise UsageError(f"--checkpoint={args.checkpoint} exists: name a new directory")
         if args.trace:
             try:
                 Path(args.trace).mkdir(parents=True, exist_ok=True)
@@ -239,7 +273,8 @@ def main() -> None:
                 raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
         import train  # after parsing, as launch.py: a typo should not wait for jax to load
 
-        result = train.explain_out_of_memory(bench)(cfg, args.steps, args.torch, args.trace)
+        result = train.explain_out_of_memory(bench)(cfg, args.steps, args.torch, args.trace,
+                                                       args.checkpoint)
         print(json.dumps({"name": args.config, **result}))
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")

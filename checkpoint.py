@@ -3,21 +3,30 @@
 A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each process writes its
 own shards) and the host-side Tally of the step metrics (metrics.py), so a resumed run continues
 exactly where the saved one was. sample.py restores the model alone (restore_model).
+
+A restore checks a checkpoint's files against the record of what its save wrote (written.py), so
+that damage (a file cut short or lost, metadata altered) is told from a checkpoint of another
+model (check_fits); resume() sets a damaged one aside and goes back to the newest intact one.
 """
 import contextlib
 import copy
+import errno
 import logging
+import shutil
 import sys
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from configs import Config, RunError, UsageError
 from model import GPT
+from written import damage, files, record_pending
 
 
 def checkpoint_manager(rundir: epath.Path, cfg: Config,
@@ -26,10 +35,13 @@ def checkpoint_manager(rundir: epath.Path, cfg: Config,
     process writing only its own shards. A step is written under a temporary name and renamed when
     complete (on GCS: marked complete by a commit file), so a kill mid-save leaves nothing that
     latest_step() returns; cleanup_tmp_directories removes the leftovers at the next start."""
+    directory = checkpoints_dir(rundir)
+    # orbax calls it once the files are written, before it renames the step into place
+    written = ocp.AsyncOptions(post_finalization_callback=lambda: record_pending(directory))
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(cfg.ckpt_keep),
-        cleanup_tmp_directories=True, read_only=read_only)
-    return ocp.CheckpointManager(checkpoints_dir(rundir), options=options)
+        cleanup_tmp_directories=True, read_only=read_only, async_options=written)
+    return ocp.CheckpointManager(directory, options=options)
 
 
 def checkpoints_dir(rundir: epath.Path) -> epath.Path:
@@ -61,6 +73,8 @@ def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_stat
         raise RunError(f"the state after step {step} is not finite; not saved "
                        f"(the last checkpoint is step {mngr.latest_step()})")
     state = {"model": eqx.filter(model, eqx.is_array), "opt_state": opt_state}
+    mngr.wait_until_finished()  # (as mngr.save would): the space the last save took is known
+    check_space(mngr, step, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               tally=ocp.args.JsonSave(copy.deepcopy(tally)))
     mngr.save(step, args=args, force=True)
@@ -75,12 +89,58 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
     params, static = eqx.partition(model, eqx.is_array)  # static: eqx.nn.Shared's tie marker
     target = abstract({"model": params, "opt_state": opt_state})
     step = mngr.latest_step() if step is None else step
-    check_fits(mngr, step, target)
-    jax.tree.map(lambda x: x.delete(), (params, opt_state))
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(target), tally=ocp.args.JsonRestore())
-    restored = mngr.restore(step, args=args)
+    with damage_as_one_line(mngr, step):
+        check_fits(mngr, step, target)
+        jax.tree.map(lambda x: x.delete(), (params, opt_state))
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                  tally=ocp.args.JsonRestore())
+        restored = mngr.restore(step, args=args)
     model = eqx.combine(restored.state["model"], static)
     return model, restored.state["opt_state"], restored.tally
+
+
+def resume(mngr: ocp.CheckpointManager, model: GPT,
+           opt_state) -> tuple[int, GPT, optax.OptState, dict | None]:
+    """(step, model, opt_state, tally) of the newest intact checkpoint, or (0, model, opt_state,
+    None) if there is none. A damaged one is said in one line and renamed STEP.damaged (orbax
+    ignores that name), never deleted: its files may yet be copied back. With only damaged ones the
+    run stops: trained from step 0, it would overwrite the logs of the run they hold."""
+    first, found = jax.process_index() == 0, (0, model, opt_state, None)
+    steps = sorted(mngr.all_steps(), reverse=True)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("mugpt: checkpoints listed")  # before any rename
+    for step in steps:
+        try:
+            found = step, *restore_checkpoint(mngr, model, opt_state, step)
+            break
+        except Damaged as e:
+            names = (f"{step}.damaged{n or ''}" for n in range(1000))  # damaged again: .damaged1
+            aside = next(n for n in names if not (mngr.directory / n).exists())
+            if first:  # process 0 alone renames; the others find the same damage
+                (mngr.directory / str(step)).rename(mngr.directory / aside)
+                print(f"warning: {e}; renamed {aside}", file=sys.stderr, flush=True)
+    agree(found[0])
+    mngr.reload()  # forget the renamed steps: the run saves them again
+    if found[0] and found[0] != steps[0] and first:
+        print(f"warning: resuming from the newest intact checkpoint, step {found[0]}",
+              file=sys.stderr, flush=True)
+    damaged = [p.name for p in mngr.directory.iterdir() if ".damaged" in p.name] \
+        if mngr.directory.exists() else []
+    if not found[0] and damaged:
+        raise RunError(f"no intact checkpoint in {mngr.directory}, only damaged ones "
+                       f"({', '.join(sorted(damaged))}): copy them back from elsewhere, or "
+                       f"delete them to train from step 0")
+    return found
+
+
+def agree(step: int) -> None:
+    """Each process reads only its own shards: damage found by reading (a checkpoint without
+    RECORD) may stop some processes only. Waits for process 0's renames too."""
+    if jax.process_count() > 1:
+        steps = set(multihost_utils.process_allgather(np.int32(step)).tolist())
+        if len(steps) > 1:
+            raise RunError(f"the processes found different checkpoints intact (steps "
+                           f"{sorted(steps)}): rename the damaged one STEP.damaged")
 
 
 def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = None) -> GPT:
@@ -90,15 +150,16 @@ def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = No
     params, static = eqx.partition(model, eqx.is_array)
     target = abstract({"model": params})
     step = mngr.latest_step() if step is None else step
-    check_fits(mngr, step, target)
-    jax.tree.map(lambda x: x.delete(), params)
-    # partial_restore: the saved arrays that target lacks (opt_state) are not read. Not through
-    # mngr: a manager that has saved holds the state's handler, which restores whole trees only.
-    restore = ocp.args.PyTreeRestore(
-        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-        partial_restore=True)
-    with ocp.PyTreeCheckpointer() as checkpointer:
-        restored = checkpointer.restore(state_dir(mngr, step), args=restore)
+    with damage_as_one_line(mngr, step):
+        check_fits(mngr, step, target)
+        jax.tree.map(lambda x: x.delete(), params)
+        # partial_restore: the saved arrays that target lacks (opt_state) are not read. Not through
+        # mngr: a manager that has saved holds the state's handler, which restores whole trees.
+        restore = ocp.args.PyTreeRestore(
+            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True)
+        with ocp.PyTreeCheckpointer() as checkpointer:
+            restored = checkpointer.restore(state_dir(mngr, step), args=restore)
     return eqx.combine(restored["model"], static)
 
 
@@ -120,6 +181,50 @@ def check_fits(mngr: ocp.CheckpointManager, step: int, target: dict) -> None:
         raise UsageError(f"the checkpoint of step {step} does not fit the model that model.py and "
                          f"the config build: {'; '.join(diff[:3])}{'; ...' if diff[3:] else ''} "
                          f"(run.json names the commit it was trained at)")
+
+
+class Damaged(RunError):
+    """A checkpoint that cannot be read completely."""
+
+
+@contextlib.contextmanager
+def damage_as_one_line(mngr: ocp.CheckpointManager, step: int):
+    """Damaged: the files of the checkpoint of `step` do not match its RECORD, or reading them
+    failed (a checkpoint saved before there were records). check_fits's UsageError, a structure
+    that differs, passes, and so does XLA's error (out of memory: nothing wrong with the files)."""
+    if problem := damage(mngr.directory / str(step)):
+        raise Damaged(f"the checkpoint of step {step} is damaged: {problem}")
+    try:
+        yield
+    except (UsageError, RunError):
+        raise
+    except Exception as e:
+        # orbax raises a plain Exception from tensorstore's ValueError, which names the file
+        read = (OSError, ValueError, KeyError)
+        cause = next((c for c in (e, e.__cause__) if isinstance(c, read)), None)
+        if cause is None:
+            raise
+        first = (str(cause) or type(cause).__name__).splitlines()[0]
+        raise Damaged(f"the checkpoint of step {step} is damaged: reading it failed: "
+                      f"{first}") from None
+
+
+def check_space(mngr: ocp.CheckpointManager, step: int, state: dict) -> None:
+    """A save that cannot fit on a local disk stops the run before it writes anything, the earlier
+    checkpoints untouched. It needs what the last one took (orbax compresses), else the arrays'
+    bytes."""
+    directory = mngr.directory
+    if str(directory).startswith("gs://") or not directory.exists():
+        return
+    last = mngr.latest_step()
+    sizes = [p.stat().length for p in files(directory / str(last)).values()] if last else []
+    needed = sum(sizes) or sum(x.nbytes for x in jax.tree.leaves(state) if eqx.is_array(x))
+    free = shutil.disk_usage(directory).free
+    size = lambda n: f"{n / 2**20:,.1f} MiB" if n >= 2**30 else f"{n:,} bytes"  # never "1 of 1"
+    if free < needed:
+        raise RunError(f"no space for the checkpoint of step {step} in {directory}: it needs "
+                       f"{size(needed)}, {size(free)} are free (the checkpoints up to step "
+                       f"{last} are intact): free some and run the same command to resume")
 
 
 def state_dir(mngr: ocp.CheckpointManager, step: int) -> epath.Path:
@@ -146,21 +251,27 @@ def one_line(what: str):
     except (RunError, UsageError):
         raise
     except (OSError, ValueError, RuntimeError) as e:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            raise RunError(f"{what} failed: no space left on device (the earlier checkpoints are "
+                           f"intact): free some and run the same command to resume") from None
         raise RunError(f"{what} failed: {(str(e) or type(e).__name__).splitlines()[0]}") from None
 
 
 def quiet_failed_saves() -> None:
-    """train.py reports a failed checkpoint save (a full disk) in one line. Orbax would also log
-    it as several tracebacks, asyncio one more for each of its concurrent write tasks that failed
-    alike, and each tensorstore write still in flight one when it finds orbax's event loop closed;
-    --debug shows them."""
+    """train.py reports a failed checkpoint save (a full disk) or read in one line. Orbax would
+    also log it as several tracebacks, asyncio one more for each of its concurrent write tasks
+    that failed alike, and each tensorstore write still in flight one when it finds orbax's event
+    loop closed; --debug shows them."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     default = sys.unraisablehook
 
     def hook(u):
         e = u.exc_value
-        if not (isinstance(e, RuntimeError) and str(e) == "Event loop is closed"):
+        closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+        # each read still in flight when another failed, in a damaged checkpoint without RECORD
+        unread = str(e).startswith("Encountered error while reading array index")
+        if not (closed or unread):
             default(u)
 
     sys.unraisablehook = hook

@@ -44,9 +44,10 @@ class Logger:
         self.tb.add_event(self.event(wall_time=time.time(), step=first, session_log=start_log))
         self.path, self.local = rundir / "metrics.jsonl", not str(rundir).startswith("gs://")
         old = self.path.read_text() if start and self.path.exists() else ""
-        # (a kill mid-append can leave a last line without its newline: it is dropped)
+        # (a kill mid-append can leave a last line without its newline, a crash a line of zero
+        # bytes where the filesystem had not written the data yet: they are dropped)
         self.lines = [line for line in old.splitlines(keepends=True)
-                      if line.endswith("\n") and json.loads(line)["step"] <= start]
+                      if line.endswith("\n") and 0 <= logged_step(line) <= start]
         self.rewrite()
         self.wandb = wandb_run(rundir, wandb_project) if wandb_project else None
 
@@ -62,8 +63,11 @@ class Logger:
         tag)."""
         self.lines.append(json.dumps({"step": step, **record}) + "\n")
         if self.local:
-            with self.path.open("a") as f:
-                f.write(self.lines[-1])
+            try:
+                with self.path.open("a") as f:
+                    f.write(self.lines[-1])
+            except OSError as e:  # a full disk, say: one line, as a failed checkpoint save
+                raise RunError(f"writing {self.path} failed: {e.strerror or e}") from None
         elif time.monotonic() - self.written > 60:
             self.rewrite()
         values = [self.summary.Value(tag=tag, simple_value=record[k])
@@ -101,6 +105,14 @@ def wandb_run(rundir: epath.Path, project: str):
     path.write_text(run_id)
     local = None if str(rundir).startswith("gs://") else str(rundir)
     return wandb.init(project=project, id=run_id, resume="allow", dir=local, name=rundir.name)
+
+
+def logged_step(line: str) -> int:
+    """The step of a line of metrics.jsonl; -1 for a line that is not a record."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return -1
 
 
 class Tally:

@@ -183,7 +183,11 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
         raise UsageError(f"--step={step}: {rundir} has checkpoints of steps {have} only")
     step = steps[-1] if step is None else step
     placeholders = init_gpt(cfg, jax.random.key(0))  # on the default device; replaced
-    return checkpoint.restore_model(mngr, placeholders, step), step
+    try:
+        return checkpoint.restore_model(mngr, placeholders, step), step
+    except checkpoint.Damaged as e:  # left as it is: someone else's run, perhaps still training
+        others = ", ".join(str(s) for s in steps if s != step)
+        raise UsageError(f"{e}" + (f" (pass --step=: there are also {others})" if others else ""))
 
 
 def read_prompt(start: str) -> str:

@@ -21,7 +21,7 @@ import data
 import eval as downstream
 import kernels
 import sample
-from checkpoint import checkpoint_manager, one_line, restore_checkpoint, save_checkpoint
+from checkpoint import checkpoint_manager, one_line, resume, save_checkpoint
 from configs import Config, RunError, UsageError
 from distributed import stop_signals
 from metrics import Logger, Tally, peak_flops
@@ -258,9 +258,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     model, opt_state, step_fn, _, _ = setup(cfg, mesh)
     with one_line(f"reading the checkpoints in {rundir}"):
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
-        start = mngr.latest_step() or 0
-        model, opt_state, saved = restore_checkpoint(mngr, model, opt_state) if start else \
-            (model, opt_state, None)
+        start, model, opt_state, saved = resume(mngr, model, opt_state)
     tally = Tally(cfg, saved)
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     batch_shape = (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)

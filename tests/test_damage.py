@@ -1,0 +1,248 @@
+"""Damage rather than interruption: checkpoints cut short, lost or altered, a full disk, and a run
+directory read by someone else. Real orbax, real launches, a real (tmpfs) filesystem."""
+import fcntl
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from etils import epath
+
+import train
+from checkpoint import checkpoint_manager, resume, save_checkpoint
+from configs import UsageError
+from conftest import tiny
+from metrics import Logger
+import test_checkpoint
+from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, final_state,
+                             launch_args, records, run, tiny_config)
+from written import damage
+
+env = test_checkpoint.env  # its fixture: the launches share one compilation cache
+
+
+@pytest.fixture(scope="module")
+def straight(shakespeare, tmp_path_factory, env):
+    """STEPS steps without interruption, checkpoints at STEPS/2 and STEPS: (its run directory, to
+    be copied and damaged, its metrics.jsonl, tensorboard's scalars and the final state)."""
+    rundir = tmp_path_factory.mktemp("straight") / "run"
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
+    assert r.returncode == 0, r.stderr
+    assert committed_steps(rundir) == [STEPS // 2, STEPS]
+    state = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+    return rundir, records(rundir), tensorboard_scalars(rundir), state
+
+
+def tensorboard_scalars(rundir) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} as tensorboard's server reads the run: its plugin accumulator,
+    which drops what a START session log says came after the checkpoint a launch resumed from."""
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(rundir))
+    acc.Reload()
+    return {tag: [(e.step, float(e.tensor_proto.float_val[0])) for e in acc.Tensors(tag)]
+            for tag in ("loss/batch", "loss/val", "loss/train")}
+
+
+def largest(directory) -> list:
+    """The checkpoint's array data files (orbax's OCDBT), largest first."""
+    data = (directory / "state").glob("ocdbt.process_*/d/*")
+    return sorted(data, key=lambda p: -p.stat().st_size)
+
+
+def truncate(ckpt):
+    path = largest(ckpt)[0]
+    os.truncate(path, 1000)
+    return f"{path.relative_to(ckpt)} has 1000 bytes, "
+
+
+def delete(ckpt):
+    path = largest(ckpt)[1]
+    path.unlink()
+    return f"{path.relative_to(ckpt)} is missing"
+
+
+def alter_metadata(ckpt):
+    """Ten bytes of the tree metadata overwritten, its size kept: orbax then reads a tree that
+    lacks arrays, and without the checksum this read as a checkpoint of another model."""
+    path = ckpt / "state" / "_METADATA"
+    data = bytearray(path.read_bytes())
+    data[100:110] = b"#" * 10
+    path.write_bytes(bytes(data))
+    return "state/_METADATA differs from what was written (CRC32)"
+
+
+def truncate_unrecorded(ckpt):
+    """As a checkpoint saved before checkpoints had a record: the damage is found by reading."""
+    (ckpt / "written.json").unlink()
+    path = largest(ckpt)[0]
+    os.truncate(path, 1000)
+    return "reading it failed: OUT_OF_RANGE: Error reading"
+
+
+@pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, truncate_unrecorded])
+def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_one(
+        straight, tmp_path, env, damage_it):
+    """The straight run's directory with its last checkpoint damaged, and the same command again:
+    one line names the step and the file, the checkpoint is kept as STEP.damaged, and the run
+    trains again from the one before to the end: metrics.jsonl, tensorboard's scalars (each step
+    once) and the final state are the straight run's."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    expected = damage_it(rundir / "checkpoints" / str(STEPS))
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: the checkpoint of step {STEPS} is damaged: "
+                        f"{warnings[0].split(': ', 2)[-1]}",
+                        f"warning: resuming from the newest intact checkpoint, step {STEPS // 2}"]
+    assert expected in warnings[0] and warnings[0].endswith(f"; renamed {STEPS}.damaged")
+    assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
+    assert (rundir / "checkpoints" / f"{STEPS}.damaged" / "state").is_dir()
+    assert committed_steps(rundir) == [STEPS // 2, STEPS]
+    assert damage(epath.Path(rundir / "checkpoints" / str(STEPS))) is None  # saved again, whole
+    assert records(rundir) == straight[1]
+    assert tensorboard_scalars(rundir) == straight[2]
+    final = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+    for a, b in zip(final, straight[3], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_no_intact_checkpoint_is_one_line_and_keeps_them(straight, tmp_path, env):
+    """Every checkpoint damaged: one line and exit 1, both kept, the logs untouched; the next launch
+    says the same rather than train from step 0 over the run's logs."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    truncate(rundir / "checkpoints" / str(STEPS))
+    delete(rundir / "checkpoints" / str(STEPS // 2))
+    metrics = (rundir / "metrics.jsonl").read_text()
+    for _ in range(2):
+        r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
+        assert_one_line_error(r, f"no intact checkpoint in {rundir / 'checkpoints'}, only damaged "
+                                 f"ones ({STEPS}.damaged, {STEPS // 2}.damaged): copy them back")
+    assert sorted(p.name for p in (rundir / "checkpoints").iterdir()) == [
+        f"{STEPS}.damaged", f"{STEPS // 2}.damaged"]
+    assert (rundir / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_checkpoint_of_another_model_is_not_called_damaged(tmp_path):
+    """An intact checkpoint that another model.py cannot take keeps its one line (naming the arrays)
+    and its name."""
+    cfg, edited = tiny(), tiny(mlp_ratio=8)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
+    save_checkpoint(mngr, 3, s.model, s.opt_state, {})
+    mngr.wait_until_finished()
+    s2 = train.setup(edited, train.make_mesh(edited))
+    with pytest.raises(UsageError, match="the checkpoint of step 3 does not fit the model .* "
+                                         "model.blocks.mlp.down"):
+        resume(checkpoint_manager(epath.Path(tmp_path), edited), s2.model, s2.opt_state)
+    assert committed_steps(tmp_path) == [3]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A small real filesystem (tmpfs), which only root (with CAP_SYS_ADMIN) may mount."""
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
+                             capture_output=True, text=True) if os.geteuid() == 0 else None
+    if mounted is None or mounted.returncode:
+        pytest.skip("a full disk needs a tmpfs, which needs root and mount: "
+                    + (mounted.stderr.strip() if mounted else f"running as uid {os.geteuid()}"))
+    yield where
+    subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_it_resumes_once_freed(straight, tmpfs,
+                                                                         env):
+    """On a tmpfs with room for the run's files and one checkpoint, not two: the second save stops
+    the run with one line naming the directory and the space; the first checkpoint is intact. With
+    the filesystem made larger (space freed), the same command trains to the end as the straight
+    run did."""
+    one = sum(p.stat().st_size for p in (straight[0] / "checkpoints" / "8").rglob("*")
+              if p.is_file())
+    # (tmpfs rounds each file up to a 4 KiB page: the logs and the checkpoint's ~20 files)
+    size = (int(1.5 * one) + 160 * 1024) // 4096 * 4096
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(tmpfs)], check=True)
+    rundir = tmpfs / "run"
+    args = launch_args(rundir, f"--config.max_steps={STEPS}", "--config.ckpt_interval=4")
+    r = run(args, env)
+    assert_one_line_error(r, f"no space for the checkpoint of step 8 in {rundir / 'checkpoints'}: "
+                             f"it needs ")
+    # it needs what the checkpoint of step 4 took
+    needed, free = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) bytes", r.stderr))
+    assert needed == sum(p.stat().st_size for p in (rundir / "checkpoints" / "4").rglob("*")
+                         if p.is_file()) and free < needed
+    assert "are free (the checkpoints up to step 4 are intact): free some and run the same " \
+           "command to resume" in r.stderr
+    assert committed_steps(rundir) == [4]
+    assert damage(epath.Path(rundir / "checkpoints" / "4")) is None
+    subprocess.run(["mount", "-o", "remount,size=8m", str(tmpfs)], check=True)
+    r = run(args, env)
+    assert r.returncode == 0, r.stderr
+    assert "resuming from the checkpoint of step 4" in r.stdout
+    assert records(rundir) == straight[1]
+    final = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+    for a, b in zip(final, straight[3], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def listing(root) -> list[tuple]:
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in root.rglob("*"))
+
+
+def test_sample_reads_a_read_only_run_directory_without_the_lock(straight, tmp_path,
+                                                                 env):
+    """Someone else's run: a copy without write permission, its training lock held and a save in
+    flight (orbax's temporary directory), as by a live launch. sample.py samples from it and leaves
+    every file and time stamp as it was (root may write despite the permissions: the listing is
+    what shows nothing was written)."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    in_flight = rundir / "checkpoints" / f"{2 * STEPS}.orbax-checkpoint-tmp"
+    shutil.copytree(rundir / "checkpoints" / str(STEPS) / "state", in_flight / "state")
+    lock = open(rundir / ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    subprocess.run(["chmod", "-R", "a-w", str(rundir)], check=True)
+    try:
+        before = listing(rundir)
+        r = run(["sample.py", f"--rundir={rundir}", "--num_samples=1", "--max_new_tokens=8"],
+                env)
+        assert r.returncode == 0, r.stderr
+        assert f"{rundir} step {STEPS}: 8 tokens" in r.stdout
+        assert listing(rundir) == before
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(rundir)], check=True)
+        lock.close()
+
+
+def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, env):
+    """sample.py leaves a damaged checkpoint as it is (the run may be someone else's) and says
+    which steps it could read instead."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    expected = truncate(rundir / "checkpoints" / str(STEPS))
+    r = run(["sample.py", f"--rundir={rundir}", "--num_samples=1", "--max_new_tokens=8"], env)
+    assert_one_line_error(r, f"the checkpoint of step {STEPS} is damaged: {expected}")
+    assert r.stderr.strip().endswith(f"were written (pass --step=: there are also {STEPS // 2})")
+    assert committed_steps(rundir) == [STEPS // 2, STEPS]
+
+
+def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path):
+    """After a power loss a filesystem may keep an appended line's length but not its bytes (zeros);
+    a resume at step 20 drops it and any other line that is not a record, keeping the steps up to
+    20 once each."""
+    path = tmp_path / "metrics.jsonl"
+    lines = ['{"step": 10, "loss": 1.0}', "\0" * 25, '{"step": 20, "loss": 2.0}', "[]",
+             '{"step": 30, "loss": 3.0}']
+    path.write_text("".join(line + "\n" for line in lines))
+    logger = Logger(epath.Path(tmp_path), 20)
+    logger.log(30, {"loss": 4.0}, {})
+    logger.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 10, "loss": 1.0}, {"step": 20, "loss": 2.0}, {"step": 30, "loss": 4.0}]

@@ -1,0 +1,67 @@
+"""What a checkpoint's save wrote: each file's size, and the CRC32 of the small ones (orbax's
+metadata), recorded in the step's RECORD just before orbax commits the step, and checked when it
+is restored (checkpoint.py): a file cut short or lost, or metadata altered, is damage, told apart
+from a readable checkpoint of another model.
+"""
+import json
+import zlib
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+RECORD = "written.json"  # in each checkpoint: {file: [bytes, CRC32 or None]}
+# Files up to this size (orbax's metadata) are checksummed as well. A checksum reads the file back,
+# which for the array data (all but a few KB of a checkpoint) would cost a read of the whole
+# checkpoint at each save; their sizes catch what a partial copy or a full disk does to them.
+CHECKSUMMED = 1 << 20
+
+
+def files(directory: epath.Path) -> dict[str, epath.Path]:
+    """{path relative to directory: path} of every file below it (rglob's "**" is refused on
+    GCS)."""
+    directory = epath.Path(directory)  # (train.train may be given a pathlib.Path)
+    return {str((top / f).relative_to(directory)): top / f
+            for top, _, names in directory.walk() for f in names}
+
+
+def record_pending(directory: epath.Path) -> None:
+    """Write RECORD into each step being saved: a temporary directory, or on GCS (written in
+    place, marked complete by a commit file) a step directory without that file yet."""
+    if jax.process_index() != 0 or not directory.exists():  # process 0 sees every process's files
+        return
+    for step_dir in directory.iterdir():
+        pending = step_dir.name.isdigit() and not (step_dir / "commit_success.txt").exists()
+        if ocp.path.step.TMP_DIR_SUFFIX in step_dir.name or pending:
+            record(step_dir)
+
+
+def record(step_dir: epath.Path) -> None:
+    """RECORD of the items' files (orbax adds the commit time to the step's own metadata file
+    after this)."""
+    written = {}
+    for name, path in sorted(files(step_dir).items()):
+        if "/" in name:
+            size = path.stat().length
+            written[name] = [size, zlib.crc32(path.read_bytes()) if size <= CHECKSUMMED else None]
+    (step_dir / RECORD).write_text(json.dumps(written))
+
+
+def damage(step_dir: epath.Path) -> str | None:
+    """The first of the checkpoint's files that differs from its RECORD; None if none does or it
+    has no RECORD."""
+    if not (step_dir / RECORD).exists():
+        return None
+    try:
+        written = json.loads((step_dir / RECORD).read_text())
+    except ValueError:
+        return f"its {RECORD} is unreadable"
+    have = files(step_dir)
+    for name, (size, crc) in written.items():
+        if name not in have:
+            return f"{name} is missing"
+        if (length := have[name].stat().length) != size:
+            return f"{name} has {length} bytes, {size} were written"
+        if crc is not None and zlib.crc32(have[name].read_bytes()) != crc:
+            return f"{name} differs from what was written (CRC32)"
+    return None

@@ -3,15 +3,14 @@
 
     python mup.py evidence --out=docs/mup [--config=shakespeare_char_cpu] [--config.F=V]
 
-Each part (PARTS) trains the real model with the real train step (train.setup), on one device, at
-sizes around the config's base shape: widths d_model x 1/2 .. 4 (more heads, the head dim stays),
-depths n_layer x 1/2 .. 4. Coordinate checks: mean |x| of every activation model.tap names, over a
-few steps on one batch (TP5's check; under muP flat in width, under CompleteP flat in depth). LR
-sweeps: the validation loss per LR (under muP the best LR stays put over width and depth; under SP
-and without the depth rules it moves). Curves: the train loss at the base LR over 3 seeds (wider
-is better at every step). DIR/evidence.json holds the git commit, each part's settings (the full
-resolved config included) and results, written after each size: the same command resumes, and an
---out of other settings is refused. DIR/README.md and the figures are made from the JSON alone."""
+Each part (PARTS) trains the real model (train.setup's step), on one device, at widths d_model x
+1/2 .. 4 (more heads, the head dim stays) or depths n_layer x 1/2 .. 4. Coordinate checks: mean
+|x| of each activation model.tap names, over a few steps on one batch (flat in width under muP,
+in depth under CompleteP). LR sweeps: the validation loss per LR (the best LR stays put under
+muP, moves under SP and without the depth rules). Curves: the train loss at the base LR over
+seeds (wider is better at every step). DIR/evidence.json holds the git commit, each part's
+settings (its full resolved config too) and results, written after each size: the same command
+resumes; an --out of other settings is refused. README.md and the figures come from the JSON."""
 import argparse
 import dataclasses
 import json
@@ -21,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import equinox as eqx
@@ -44,8 +42,8 @@ PARTS = {"coord_width": ("coord", "width", "mup"), "coord_width_sp": ("coord", "
          "lr_width": ("sweep", "width", "mup"), "lr_depth": ("sweep", "depth", "mup"),
          "lr_depth_nodepth": ("sweep", "depth", "nodepth"), "lr_width_sp": ("sweep", "width", "sp"),
          "curves": ("curves", "width", "mup")}
-# Sizes as multiples of the base; steps, seeds. Chosen so that the whole fits ~45 minutes of a
-# 2-core CPU for shakespeare_char_cpu (docs/mup.md): LR sweeps over width stop at 2x.
+# Sizes as multiples of the base; steps, seeds: the whole fits a 2-core CPU's ~45 minutes for
+# shakespeare_char_cpu (docs/mup.md), so LR sweeps over width stop at 2x, curves at 4x.
 SCALES = {("coord", "width"): [0.5, 1, 2, 4], ("coord", "depth"): [0.5, 1, 2, 4],
           ("sweep", "width"): [0.5, 1, 2], ("sweep", "depth"): [0.5, 1, 2, 4],
           ("curves", "width"): [0.5, 1, 2, 4]}
@@ -78,14 +76,13 @@ def init(cfg: Config, key: jax.Array) -> M.GPT:
     gpt = M.init_gpt(cfg, key)
     if cfg.param != "sp" or cfg.tie_embeddings:
         return gpt
-    std = cfg.d_model ** -0.5
-    unembed = std * jax.random.normal(jax.random.fold_in(key, 1), gpt.emb.unembed.shape)
-    return eqx.tree_at(lambda g: g.emb.unembed, gpt, unembed)
+    z = jax.random.normal(jax.random.fold_in(key, 1), gpt.emb.unembed.shape)
+    return eqx.tree_at(lambda g: g.emb.unembed, gpt, z / cfg.d_model**0.5)
 
 
 def one_device_mesh() -> jax.sharding.Mesh:
-    """The first device alone (of a GPU node, a TPU VM, a split CPU): the sweeps compare widths
-    and LRs, not speed, and JAX refuses activation_sizes' ordered callback on more than one."""
+    """The first device alone: the sweeps compare sizes and LRs, not speed, and JAX refuses
+    activation_sizes' ordered callback on more than one."""
     return train.make_mesh(Config(mesh_replica=1), jax.devices()[:1])
 
 
@@ -150,8 +147,8 @@ def coord_check(cfg: Config, steps: int, seeds: int) -> dict[str, list[float]]:
 def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int) -> tuple[np.ndarray, ...]:
     """The train loss of every step, shape (LRs, seeds, steps), and the validation loss after the
     last, (LRs, seeds): every run on the same batches, each seed its own initial model, the
-    config's schedule compressed to `steps` steps (min_lr / learning_rate kept). One compiled
-    program vmapped over LRs and seeds: the LR reaches train.setup through the config as a tracer."""
+    config's schedule compressed to `steps` steps (min_lr / learning_rate kept). One program
+    vmapped over LRs and seeds: the LR reaches train.setup through the config as a tracer."""
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
     G, B, T = cfg.grad_accum, cfg.microbatch_size, cfg.block_size
     xy = [data.get_batch(train_tokens, cfg.seed, data.TRAIN, s, cfg.batch_size, T)
@@ -186,36 +183,22 @@ def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int) -> tuple[n
     return tuple(map(np.asarray, sweep(jnp.asarray(lrs, jnp.float32), params_0)))
 
 
-def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
-    """The validation loss after `steps` steps at each LR, from one initial model."""
-    return train_runs(cfg, lrs, 1, steps)[1][:, 0]
-
-
 def settings(cfg: Config) -> dict:
     """Each part's settings: what it trains, at which sizes, and its model's full config."""
     out = {}
     for part, (kind, axis, model) in PARTS.items():
         base = cfg.d_model if axis == "width" else cfg.n_layer
         sizes = [round(base * k) for k in SCALES[kind, axis]]
-        lrs = [cfg.learning_rate * k for k in LR_FACTORS] if kind == "sweep" else [cfg.learning_rate]
+        lrs = [cfg.learning_rate * k for k in (LR_FACTORS if kind == "sweep" else [1])]
         config = json.loads(json.dumps(dataclasses.asdict(variant(cfg, model))))  # JSON's types
         out[part] = dict(kind=kind, axis=axis, model=model, sizes=sizes, steps=STEPS[kind],
                          seeds=SEEDS[kind], lrs=lrs, config=config)
     return out
 
 
-def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """The dotted names of the fields in which two settings differ."""
-    if not (isinstance(old, dict) and isinstance(new, dict)):
-        return [] if old == new else [prefix.rstrip(".")]
-    return [d for k in {**old, **new} for d in differences(old.get(k), new.get(k), f"{prefix}{k}.")]
-
-
 def measure(s: dict, size: int):
     """One size of a part: what evidence.json records for it."""
-    cfg = resize(Config(**s["config"]), s["axis"], size)
-    if s["model"] == "nodepth":
-        cfg = variant(cfg, "nodepth")
+    cfg = variant(resize(Config(**s["config"]), s["axis"], size), s["model"])  # nodepth: L again
     if s["kind"] == "coord":
         return coord_check(cfg, s["steps"], s["seeds"])
     loss, val = train_runs(cfg, s["lrs"], s["seeds"], s["steps"])
@@ -232,8 +215,8 @@ def git_commit() -> dict:
 
 
 def open_out(text: str, new: dict) -> tuple[Path, dict]:
-    """--out, checked before any training: a writable directory and its evidence.json's results
-    ({} if none), which must be of these settings: others are refused, never overwritten."""
+    """--out, checked before any training: a writable directory and its evidence.json ({} if
+    none), which must be of these settings: others are refused, never overwritten."""
     out, path = Path(text), Path(text, "evidence.json")
     try:
         if not text or path.is_dir():
@@ -247,41 +230,27 @@ def open_out(text: str, new: dict) -> tuple[Path, dict]:
         return out, {}
     try:
         old = json.loads(path.read_text())
-        differ = differences(old["settings"], new)
+        differ = plots.differences(old["settings"], new)
         why = f"other settings ({', '.join(differ[:4])}{' ...' * (len(differ) > 4)} differ)"
-        results = {p: {int(k): v for k, v in r.items()} for p, r in old["results"].items()}
+        old["results"] = {p: {int(k): v for k, v in r.items()} for p, r in old["results"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not evidence's
         differ, why = True, "unrecorded settings"
     if differ:
         raise UsageError(f"--out={out} holds {path.name} of {why}: "
                          "pick another --out or delete the file")
-    return out, results
-
-
-def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """write(a temporary file beside path), then rename it to path: a run killed midway leaves the
-    old file or the new one, never half of one."""
-    # The suffix stays last: savefig picks the format from it.
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise RunError(f"writing {path} failed ({e.strerror or e}); "
-                       "the file is as it was") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    return out, old
 
 
 def evidence(name: str, overrides: list[str], cfg: Config, out_text: str) -> None:
     """Every part, every size not yet in DIR/evidence.json; the files after each."""
     parts = settings(cfg)
-    out, results = open_out(out_text, parts)
+    out, old = open_out(out_text, parts)
+    results = old.get("results", {})
     todo = [(p, size) for p, s in parts.items() for size in s["sizes"]
             if size not in results.get(p, {})]
-    if len(todo) < sum(len(s["sizes"]) for s in parts.values()):
-        print(f"{out}/evidence.json has these settings' results: {len(todo)} sizes left")
-    commit = git_commit()  # of this process's code, before any training
+    print(f"{out}/evidence.json has these settings' results: {len(todo)} sizes left" * bool(old))
+    # the code that measured: this process's, before any training (the file's if nothing is left)
+    commit = git_commit() if todo else {k: old[k] for k in ("commit", "dirty")}
     for part, size in todo + [(None, None)]:  # the last round writes every figure
         if part:
             results.setdefault(part, {})[size] = measure(parts[part], size)
@@ -289,8 +258,8 @@ def evidence(name: str, overrides: list[str], cfg: Config, out_text: str) -> Non
                "results": {p: dict(sorted(r.items())) for p, r in results.items()}}
         doc = json.loads(json.dumps(doc))  # sizes as strings, as a reread file has them
         for p in [part] if part else doc["results"]:
-            plots.write(out, doc, p, write_atomic)
-        write_atomic(out / "evidence.json", lambda p: p.write_text(json.dumps(doc, indent=1)))
+            plots.write(out, doc, p)
+        plots.write_atomic(out / "evidence.json", lambda p: p.write_text(json.dumps(doc, indent=1)))
         if part:
             print(f"{part}, {parts[part]['axis']} {size}: done", flush=True)
     print(f"all parts done: {out}/README.md")
@@ -306,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = ap.parse_known_args(argv)  # --config.FIELD=VALUE, as launch.py takes them
 
     def interrupted(*_):
-        """Ctrl-C: one line and out at once (the files are whole at any moment: write_atomic);
+        """Ctrl-C: one line and out at once (each file is written whole, plots.write_atomic);
         not a KeyboardInterrupt, for launch.interrupted's reasons."""
         sys.stdout.flush()
         print("error: interrupted; rerun the same command to continue", file=sys.stderr)

@@ -1,9 +1,12 @@
 """The report of mup.py's evidence, made from evidence.json alone: a figure per part (matplotlib)
-and README.md, whose every number is read from the JSON."""
+and README.md, whose every number is read from the JSON; each file written whole."""
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from configs import RunError
 
 TITLES = {"mup": "muP + CompleteP", "sp": "SP", "nodepth": "muP, depth rules off"}
 
@@ -115,8 +118,9 @@ def best_lrs(doc: dict, part: str) -> dict[int, int | None]:
 
 
 def wider_is_better(doc: dict) -> tuple[int, list[tuple[int, list, list, bool]]]:
-    """The steps in a window, and per window after warmup: (its last step, the mean loss per width, its seed std, whether
-    each wider width's mean is at most the narrower's plus the larger of their seed stds)."""
+    """The steps in a window, and per window after warmup: (its last step, the mean loss per
+    width, its seed std, whether each wider width's mean is at most the narrower's plus the
+    larger of their seed stds)."""
     s = doc["settings"]["curves"]
     results, sizes = tables(doc, "curves")
     if len(sizes) < 2:
@@ -158,8 +162,8 @@ def readme(doc: dict) -> str:
                      f"{','.join(map(str, sizes))} | {st[part]['steps']} x {st[part]['seeds']} "
                      f"| {worst:.3f} | {name}, step {t} |")
     lines += ["", "## Learning-rate sweeps", "",
-              "The best LR's index on the grid (the LRs below), per size; the spread is the largest "
-              "minus the smallest index.", ""]
+              "The best LR's index on the grid (the LRs below), per size; the spread is the "
+              "largest minus the smallest index.", ""]
     for axis in ("width", "depth"):
         parts = [p for p in st if st[p]["kind"] == "sweep" and st[p]["axis"] == axis]
         best = {p: best_lrs(doc, p) for p in parts}
@@ -191,7 +195,7 @@ def readme(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(out: Path, doc: dict, part: str, write_atomic: Callable) -> None:
+def write(out: Path, doc: dict, part: str) -> None:
     """The figure of one part and README.md."""
     s = doc["settings"][part]
     title = f"{doc['config_name']}, {TITLES[s['model']]}"
@@ -210,3 +214,25 @@ def write(out: Path, doc: dict, part: str, write_atomic: Callable) -> None:
         plot = lambda p: curves(p, steps, train, f"{title}, LR {s['lrs'][0]:g}")
     write_atomic(out / f"{part}.png", plot)
     write_atomic(out / "README.md", lambda p: p.write_text(readme(doc)))
+
+
+def differences(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The dotted names of the fields in which two settings differ."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return [] if old == new else [prefix.rstrip(".")]
+    return [d for k in {**old, **new} for d in differences(old.get(k), new.get(k), f"{prefix}{k}.")]
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """write(a temporary file beside path), then rename it to path: a run killed midway leaves the
+    old file or the new one, never half of one."""
+    # The suffix stays last: savefig picks the format from it.
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RunError(f"writing {path} failed ({e.strerror or e}); "
+                       "the file is as it was") from None
+    finally:
+        tmp.unlink(missing_ok=True)

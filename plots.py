@@ -146,7 +146,12 @@ def readme(doc: dict) -> str:
              f"Made by `python mup.py evidence --out=DIR --config={doc['config_name']}` at commit "
              f"{doc['commit']}{' (with uncommitted changes)' * doc['dirty']}. Generated from "
              "evidence.json, which holds each part's full settings: do not edit, rerun. "
-             "Method and reading: ../mup.md.", "", "## Coordinate checks", "",
+             "Method and reading: ../mup.md.", ""]
+    done = sum(len(doc["results"].get(p, {})) for p in st)
+    if done < (total := sum(len(st[p]["sizes"]) for p in st)):
+        lines += [f"**Incomplete: {done} of {total} sizes measured.** Rerun the command to finish "
+                  "(it resumes).", ""]
+    lines += ["## Coordinate checks", "",
              "Least-squares slope of log2 mean|x| against log2 size, over every activation; "
              "|slope| near 0 is flat.", "",
              "| part | model | sizes | steps x seeds | largest \\|slope\\| after step 0 | at |",

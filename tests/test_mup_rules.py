@@ -100,3 +100,20 @@ def test_weight_decay_is_independent_of_lr_and_width():
     for name, p in before.items():
         expected = -wd * p if name in HIDDEN | {"emb.embed", "emb.unembed"} else 0 * p
         np.testing.assert_allclose(decayed[name] - no_decay[name], expected, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("L, depth_base", [(4, 2), (8, 2)])
+def test_residual_branches_are_scaled_by_depth_base_over_L(L, depth_base):
+    """CompleteP (alpha = 1): each block adds depth_base / L times its attention and MLP outputs. Both are
+    linear in their output matrices, so the model equals one without the depth rule (depth_base = L) whose
+    attention-out and MLP-down matrices are scaled by depth_base / L."""
+    unembed = jax.random.normal(jax.random.key(1), (128, 64))  # nonzero logits
+    gpt, plain = (eqx.tree_at(lambda g: g.emb.unembed, M.init_gpt(mup_tiny(n_layer=L, depth_base=b),
+                                                                  jax.random.key(0)), unembed)
+                  for b in (depth_base, L))  # the same draws: no init std depends on the depth
+    r = depth_base / L
+    scaled = eqx.tree_at(lambda g: (g.blocks.attn.out, g.blocks.mlp.down), plain,
+                         (r * plain.blocks.attn.out, r * plain.blocks.mlp.down))
+    x = jnp.asarray(batch(mup_tiny())[0][0, 0])
+    np.testing.assert_allclose(gpt(x), scaled(x), rtol=1e-4, atol=1e-4)
+    assert not np.allclose(gpt(x), plain(x), rtol=1e-2, atol=1e-2)

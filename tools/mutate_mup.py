@@ -53,8 +53,10 @@ def copy_repo(dest: Path) -> None:
 
 
 def failing(dest: Path, pytest_args: list[str]) -> list[str]:
+    # the staleness test checks docs/mup, not a rule
+    skip = "--deselect=tests/test_mup.py::test_docs_mup_evidence_is_current"
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS,
-                           *pytest_args], cwd=dest, capture_output=True, text=True)
+                           skip, *pytest_args], cwd=dest, capture_output=True, text=True)
     return sorted(set(re.findall(r"^FAILED \S+::(\S+)", done.stdout, re.M)))
 
 

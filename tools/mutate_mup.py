@@ -1,5 +1,5 @@
-"""Breaks one muP/CompleteP rule at a time in a copy of the repo and lists the muP tests that then fail:
-each rule must have a test that catches it (docs/mup.md has the table).
+"""Breaks one muP/CompleteP rule at a time in a copy of the repo and lists the muP tests that then
+fail: each rule must have a test that catches it (the table: issue 33's closing note).
 
     python tools/mutate_mup.py [RULE ...] [-- PYTEST_ARGS]
 
@@ -15,29 +15,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_mup_rules.py", "tests/test_mup.py"]
+READOUT_EPS = 'spec=(None, "fsdp"), eps_mult=1 / m),\n        # hidden'  # the readout's row
 # rule: (file, the correct text, the broken text)
 MUTATIONS = {
     "hidden LR 1/m": ("model.py", "hidden = dict(lr_mult=1 / m,", "hidden = dict(lr_mult=1.0,"),
     "hidden LR no depth factor": ("model.py", "hidden = dict(lr_mult=1 / m,",
                                   "hidden = dict(lr_mult=1 / (m * d),"),
     "embedding LR 1": ("model.py", "Policy(embed_std, 1.0,", "Policy(embed_std, 1 / m,"),
-    "readout multiplier alpha_out/m": ("model.py", "cfg.alpha_out / cfg.width_mult", "cfg.alpha_out"),
+    "readout multiplier alpha_out/m": ("model.py", "cfg.alpha_out / cfg.width_mult",
+                                       "cfg.alpha_out"),
     "hidden init 1/sqrt(fan_in)": ("model.py", '"blocks.mlp.up": Policy(1 / math.sqrt(D)',
                                    '"blocks.mlp.up": Policy(1 / math.sqrt(cfg.d_base)'),
     "down init 1/sqrt(F)": ("model.py", "Policy(1 / math.sqrt(F)", "Policy(1 / math.sqrt(D)"),
-    "embedding init 1": ("model.py", "if cfg.tie_embeddings else 1.0", "if cfg.tie_embeddings else D**-0.5"),
+    "embedding init 1": ("model.py", "if cfg.tie_embeddings else 1.0",
+                         "if cfg.tie_embeddings else D**-0.5"),
     "readout init 0": ("model.py", '"emb.unembed": Policy(0.0,', '"emb.unembed": Policy(D**-0.5,'),
     "attention tau/head_dim": ("configs/__init__.py", "return self.attn_tau / self.head_dim",
                                "return self.attn_tau / math.sqrt(self.head_dim)"),
     "Adam eps 1/(m d) in blocks": ("model.py", "decay=True, eps_mult=1 / (m * d))",
                                    "decay=True, eps_mult=1.0)"),
-    "Adam eps 1/m outside blocks": ("model.py", 'spec=(None, "fsdp"), eps_mult=1 / m)',
-                                    'spec=(None, "fsdp"), eps_mult=1.0)'),
+    "Adam eps 1/m outside blocks (readout)": ("model.py", READOUT_EPS,
+                                              READOUT_EPS.replace("1 / m", "1.0")),
     "weight decay independent of lr_mult": ("train.py", "(decay * p if policy.decay",
                                             "(decay * policy.lr_mult * p if policy.decay"),
-    "weight decay independent of lr": ("train.py", "decay = cfg.weight_decay * lr / cfg.learning_rate",
+    "weight decay independent of lr": ("train.py",
+                                       "decay = cfg.weight_decay * lr / cfg.learning_rate",
                                        "decay = cfg.weight_decay * lr"),
-    "CompleteP branch 1/d": ("model.py", "self.branch_mult = 1 / cfg.depth_mult", "self.branch_mult = 1.0"),
+    "CompleteP branch 1/d": ("model.py", "self.branch_mult = 1 / cfg.depth_mult",
+                             "self.branch_mult = 1.0"),
 }
 
 
@@ -70,7 +75,8 @@ def main(argv: list[str]) -> None:
             copy_repo(dest)
             text = (dest / path).read_text()
             if text.count(good) != 1:
-                print(f"| {rule} | stale: {path} holds {good!r} {text.count(good)} times |", flush=True)
+                print(f"| {rule} | stale: {path} holds {good!r} {text.count(good)} times |",
+                      flush=True)
                 continue
             (dest / path).write_text(text.replace(good, bad))
             caught = failing(dest, pytest_args)

@@ -1,34 +1,25 @@
-"""Checks that muP (Tensor Programs V, Yang et al. 2022, arXiv 2203.03466) does what it promises,
-as numbers and plots. Both train the real model with the real train step (train.setup) at the
-config's hyperparameters, on one device; a width w is d_model = w with n_head = w / head_dim.
+"""muP's evidence, remade by one command (muP: Tensor Programs V, Yang et al. 2022, arXiv
+2203.03466; its depth rules: CompleteP, Dey et al. 2025, arXiv 2505.01618):
 
-    python mup.py coord --config=NAME --widths=64,128,256,512 --steps=5 --out=DIR
-                        [--param=sp] [--depths=2,4,8] [--config.F=V]
+    python mup.py evidence --out=docs/mup [--config=shakespeare_char_cpu] [--config.F=V]
 
-trains each width (or, with --depths, each depth at the config's width) --steps steps on one fixed
-batch at a constant LR, from 3 seeds, and records the mean |x| of every activation model.tap names
-before each step and after the last. Under muP each stays the same size as the width grows:
-DIR/coord_check.json holds each activation's fitted slopes of log2 mean|x| against log2 width, one
-per step (index 0 = at init), and DIR/coord_check.png shows them (the "coordinate check" of TP5
-and microsoft/mup).
-
-    python mup.py transfer --config=NAME --widths=64,128,256 --lrs=1e-3,2e-3,4e-3 --steps=200
-                           --out=DIR [--param=sp] [--config.F=V]
-
-trains every (width, LR) pair on the same batches with the config's schedule compressed to --steps
-steps, and writes the final validation loss after each width: DIR/lr_transfer.json (the grid and
-the best LR per width) and DIR/lr_transfer.png. Under muP the best LR stays put as the width grows;
-under SP it moves. The JSON files record their settings: results of other settings in DIR are
-refused, never overwritten; transfer again with the same ones trains only the widths missing."""
+Each part (PARTS) trains the real model (train.setup's step), on one device, at widths d_model x
+1/2 .. 4 (more heads, the head dim stays) or depths n_layer x 1/2 .. 4. Coordinate checks: mean
+|x| of each activation model.tap names, over a few steps on one batch (flat in width under muP,
+in depth under CompleteP). LR sweeps: the validation loss per LR (the best LR stays put under
+muP, moves under SP and without the depth rules). Curves: the train loss at the base LR over
+seeds (wider is better at every step). DIR/evidence.json holds the git commit, each part's
+settings (its full resolved config too) and results, written after each size: the same command
+resumes; an --out of other settings is refused. README.md and the figures come from the JSON."""
 import argparse
 import dataclasses
 import json
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 
 import equinox as eqx
@@ -44,20 +35,57 @@ import plots
 import train
 from configs import Config, RunError, UsageError
 
+# name: (what it measures, the axis it varies, the model). "sp" is SP as people run it, "nodepth"
+# muP with CompleteP's rules off (depth_base = n_layer at every depth).
+PARTS = {"coord_width": ("coord", "width", "mup"), "coord_width_sp": ("coord", "width", "sp"),
+         "coord_depth": ("coord", "depth", "mup"),
+         "coord_depth_nodepth": ("coord", "depth", "nodepth"),
+         "lr_width": ("sweep", "width", "mup"), "lr_depth": ("sweep", "depth", "mup"),
+         "lr_depth_nodepth": ("sweep", "depth", "nodepth"), "lr_width_sp": ("sweep", "width", "sp"),
+         "curves": ("curves", "width", "mup")}
+# Sizes as multiples of the base; steps, seeds: the whole fits a 2-core CPU's ~45 minutes for
+# shakespeare_char_cpu (docs/mup.md), so LR sweeps over width stop at 2x, curves at 4x.
+SCALES = {("coord", "width"): [0.5, 1, 2, 4], ("coord", "depth"): [0.5, 1, 2, 4],
+          ("sweep", "width"): [0.5, 1, 2], ("sweep", "depth"): [0.5, 1, 2, 4],
+          ("curves", "width"): [0.5, 1, 2, 4]}
+STEPS, SEEDS = {"coord": 5, "sweep": 100, "curves": 200}, {"coord": 3, "sweep": 1, "curves": 3}
+LR_FACTORS = [2.0**k for k in range(-4, 4)]  # the sweeps' grid: the base LR x 1/16 .. 8
+EVERY = 10  # curves: the train loss is averaged over windows of this many steps
+
 
 def resize(cfg: Config, axis: str, size: int) -> Config:
     """cfg at another width (heads grow, the head dim stays) or depth."""
     if axis == "depth":
         return dataclasses.replace(cfg, n_layer=size)
     if size % cfg.head_dim:
-        raise UsageError(f"width {size} is not a multiple of the head dim {cfg.head_dim} "
-                         f"of {cfg.d_model}/{cfg.n_head}")
-    return dataclasses.replace(cfg, d_model=size, n_head=size // cfg.head_dim)
+        raise UsageError(f"width {size} is not a multiple of the head dim {cfg.head_dim}")
+    H = size // cfg.head_dim  # grouped-query attention keeps its ratio of query to kv heads
+    G = None if cfg.n_kv_head is None else max(1, cfg.n_kv_head * H // cfg.n_head)
+    return dataclasses.replace(cfg, d_model=size, n_head=H, n_kv_head=G)
+
+
+def variant(cfg: Config, name: str) -> Config:
+    """The config of a part's model. SP as GPT-2 and TP5 (Table 3, "SP") run it: every LR the
+    same, logits unscaled (alpha_out 1), and the readout drawn like the other matrices (init)."""
+    if name == "sp":
+        return dataclasses.replace(cfg, param="sp", alpha_out=1.0)
+    return dataclasses.replace(cfg, depth_base=cfg.n_layer) if name == "nodepth" else cfg
+
+
+def init(cfg: Config, key: jax.Array) -> M.GPT:
+    """model.init_gpt, but under SP the readout N(0, 1 / D) like every matrix, as GPT-2 (std 0.02
+    at D = 768, openai/gpt-2 model.py) and PyTorch's default nn.Linear: model.py's SP keeps
+    muP's zero readout, so that at the base shape muP is SP exactly."""
+    gpt = params.init_gpt(cfg, key)
+    if cfg.param != "sp" or cfg.tie_embeddings:
+        return gpt
+    z = jax.random.normal(jax.random.fold_in(key, 1), gpt.emb.unembed.shape)
+    return eqx.tree_at(lambda g: g.emb.unembed, gpt, z / cfg.d_model**0.5)
 
 
 def one_device_mesh() -> jax.sharding.Mesh:
-    """The first device alone (of a GPU node, a TPU VM, a split CPU): the sweeps compare widths
-    and LRs, not speed, and JAX refuses activation_sizes' ordered callback on more than one."""
+    """The first device alone: the sweeps compare sizes and LRs, not speed, and JAX refuses
+    activation_sizes' ordered callback on more than one."""
     return train.make_mesh(Config(mesh_replica=1), jax.devices()[:1])
 
 
@@ -79,8 +107,8 @@ def _tapped_forward(gpt: M.GPT, tokens_T: jax.Array) -> jax.Array:
 
 
 def activation_sizes(gpt: M.GPT, x_BT: np.ndarray) -> dict[str, float]:
-    """Mean |x| of each tapped activation over the sequences x_BT: the residual stream per layer
-    ("resid.0", ...), the others averaged over layers."""
+    """Mean |x| of each tapped activation over the sequences x_BT: the last layer's residual
+    stream ("resid"), the others averaged over layers."""
     _SEEN.clear()
     M.TAPS.append(_record)
     try:
@@ -92,56 +120,38 @@ def activation_sizes(gpt: M.GPT, x_BT: np.ndarray) -> dict[str, float]:
     seen = defaultdict(list)
     for name, value in _SEEN:
         seen[name].append(value)
-    out = {}
-    for name, values in seen.items():
-        per_layer = np.reshape(values, (len(x_BT), -1)).mean(axis=0)  # a value per call of the tap
-        out |= ({f"resid.{i}": v for i, v in enumerate(per_layer)} if name == "resid"
-                else {name: per_layer.mean()})
-    return out
+    # a value per call of the tap, averaged over the sequences
+    per_call = {k: np.reshape(v, (len(x_BT), -1)).mean(axis=0) for k, v in seen.items()}
+    return {k: float(v[-1] if k == "resid" else v.mean()) for k, v in per_call.items()}
 
 
-def coord_check(cfg: Config, axis: str, sizes: list[int], steps: int,
-                seeds: int = 3) -> dict[str, np.ndarray]:
-    """Activation name -> mean |x| averaged over seeds, shape (len(sizes), steps + 1): column t
-    after t steps on one fixed batch at the config's learning rate, constant (no warmup: step 1
-    moves at full LR)."""
-    mesh = one_device_mesh()
+def coord_check(cfg: Config, steps: int, seeds: int) -> dict[str, list[float]]:
+    """Activation name -> mean |x| averaged over seeds after t = 0 .. steps steps on one fixed
+    batch at the config's learning rate, constant (no warmup: step 1 moves at full LR)."""
     tokens = data.load_split(cfg, "train")
     x_BT, y_BT = data.get_batch(tokens, cfg.seed, data.TRAIN, 0, cfg.batch_size, cfg.block_size)
     batch = [a.reshape(cfg.grad_accum, cfg.microbatch_size, cfg.block_size) for a in (x_BT, y_BT)]
-    table = defaultdict(lambda: np.zeros((len(sizes), steps + 1)))
-    for i, size in enumerate(sizes):
-        c = dataclasses.replace(resize(cfg, axis, size), warmup_steps=0,
-                                min_lr=cfg.learning_rate, max_steps=steps)
-        s = train.setup(c, mesh)  # its step is compiled once per shape, used for every seed
-        for seed in range(seeds):
-            gpt = eqx.filter_shard(params.init_gpt(c, jax.random.key(seed)), s.model_sharding)
-            optimizer = train.make_optimizer(c, params.policy_table(gpt, c))
-            opt_state = optimizer.init(eqx.filter(gpt, eqx.is_array))
-            opt_state = eqx.filter_shard(opt_state, s.opt_sharding)
-            for t in range(steps + 1):
-                sizes_t = activation_sizes(gpt, x_BT)
-                if axis == "depth":  # the layers differ between depths: compare the last stream
-                    kept = {k: v for k, v in sizes_t.items() if not k.startswith("resid.")}
-                    sizes_t = kept | {"resid.last": sizes_t[f"resid.{c.n_layer - 1}"]}
-                for name, v in sizes_t.items():
-                    table[name][i, t] += v / seeds
-                if t < steps:
-                    gpt, opt_state, _ = s.step(gpt, opt_state, *batch)
-    return dict(table)
+    cfg = dataclasses.replace(cfg, warmup_steps=0, min_lr=cfg.learning_rate, max_steps=steps)
+    s = train.setup(cfg, one_device_mesh())  # its step is compiled once, used for every seed
+    table = defaultdict(lambda: np.zeros(steps + 1))
+    for seed in range(seeds):
+        gpt = eqx.filter_shard(init(cfg, jax.random.key(seed)), s.model_sharding)
+        opt_state = train.make_optimizer(cfg, params.policy_table(gpt, cfg)).init(
+            eqx.filter(gpt, eqx.is_array))
+        opt_state = eqx.filter_shard(opt_state, s.opt_sharding)
+        for t in range(steps + 1):
+            for name, v in activation_sizes(gpt, x_BT).items():
+                table[name][t] += v / seeds
+            if t < steps:
+                gpt, opt_state, _ = s.step(gpt, opt_state, *batch)
+    return {name: values.tolist() for name, values in table.items()}
 
 
-def slopes(sizes: list[int], table: dict[str, np.ndarray]) -> dict[str, list[float | None]]:
-    """Per activation and step, the least-squares slope of log2 mean|x| against log2 size; None
-    where an activation is exactly 0 at some size (the logits at init: the readout starts at 0)."""
-    fit = lambda y: float(np.polyfit(np.log2(sizes), np.log2(y), 1)[0]) if np.all(y > 0) else None
-    return {name: [fit(col) for col in values.T] for name, values in table.items()}
-
-
-def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
-    """Validation loss after `steps` steps at each learning rate, on the same batches, with the
-    config's schedule compressed to `steps` steps (min_lr / learning_rate kept). One compiled
-    program vmapped over the LRs: the LR reaches train.setup through the config as a tracer."""
+def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int) -> tuple[np.ndarray, ...]:
+    """The train loss of every step, shape (LRs, seeds, steps), and the validation loss after the
+    last, (LRs, seeds): every run on the same batches, each seed its own initial model, the
+    config's schedule compressed to `steps` steps (min_lr / learning_rate kept). One program
+    vmapped over LRs and seeds: the LR reaches train.setup through the config as a tracer."""
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
     G, B, T = cfg.grad_accum, cfg.microbatch_size, cfg.block_size
     xy = [data.get_batch(train_tokens, cfg.seed, data.TRAIN, s, cfg.batch_size, T)
@@ -154,46 +164,66 @@ def lr_sweep(cfg: Config, lrs: list[float], steps: int) -> np.ndarray:
     x_EBT, y_EBT = (jnp.asarray(np.stack([b[i] for b in val])) for i in (0, 1))
     warmup = round(cfg.warmup_steps * steps / cfg.max_steps)
     cfg = dataclasses.replace(cfg, max_steps=steps, warmup_steps=warmup)
-    # The same initial model for every LR, drawn outside the compiled sweep.
-    gpt0 = train.setup(cfg, mesh).model
+    # The initial models, drawn outside the compiled program, stacked over seeds.
+    models = [init(cfg, jax.random.key(cfg.seed + i)) for i in range(seeds)]
+    arrays_0 = jax.tree.map(lambda *a: jnp.stack(a), *[eqx.filter(g, eqx.is_array) for g in models])
+    static = eqx.filter(models[0], eqx.is_array, inverse=True)
 
-    def final_loss(lr, gpt):
+    def run(lr, arrays):
         min_lr = lr * cfg.min_lr / cfg.learning_rate
         s = train.setup(dataclasses.replace(cfg, learning_rate=lr, min_lr=min_lr), mesh)
 
         def one_step(carry, batch):
-            gpt, opt_state, _ = s.step(*carry, *batch)
-            return (gpt, opt_state), None
+            gpt, opt_state, metrics = s.step(*carry, *batch)
+            return (gpt, opt_state), metrics["loss"]
 
-        (gpt, _), _ = jax.lax.scan(one_step, (gpt, s.opt_state), (x_SGBT, y_SGBT))
+        start = (eqx.combine(arrays, static), s.opt_state)
+        (gpt, _), losses = jax.lax.scan(one_step, start, (x_SGBT, y_SGBT))
         loss = lambda x_BT, y_BT: train.loss_fn(gpt, x_BT, y_BT, cfg)
-        return jax.vmap(loss)(x_EBT, y_EBT).mean()
+        return losses, jax.vmap(loss)(x_EBT, y_EBT).mean()
 
-    sweep = eqx.filter_jit(jax.vmap(final_loss, in_axes=(0, None)))
-    return np.asarray(sweep(jnp.asarray(lrs, jnp.float32), gpt0))
+    sweep = eqx.filter_jit(jax.vmap(jax.vmap(run, in_axes=(None, 0)), in_axes=(0, None)))
+    return tuple(map(np.asarray, sweep(jnp.asarray(lrs, jnp.float32), arrays_0)))
 
 
-def positive_list(flag: str, text: str, kind: type) -> list:
+def settings(cfg: Config) -> dict:
+    """Each part's settings: what it trains, at which sizes, and its model's full config."""
+    out = {}
+    for part, (kind, axis, model) in PARTS.items():
+        base = cfg.d_model if axis == "width" else cfg.n_layer
+        sizes = [round(base * k) for k in SCALES[kind, axis]]
+        lrs = [cfg.learning_rate * k for k in (LR_FACTORS if kind == "sweep" else [1])]
+        config = json.loads(json.dumps(dataclasses.asdict(variant(cfg, model))))  # JSON's types
+        out[part] = dict(kind=kind, axis=axis, model=model, sizes=sizes, steps=STEPS[kind],
+                         seeds=SEEDS[kind], lrs=lrs, config=config)
+    return out
+
+
+def measure(s: dict, size: int):
+    """One size of a part: what evidence.json records for it."""
+    cfg = variant(resize(Config(**s["config"]), s["axis"], size), s["model"])  # nodepth: L again
+    if s["kind"] == "coord":
+        return coord_check(cfg, s["steps"], s["seeds"])
+    loss, val = train_runs(cfg, s["lrs"], s["seeds"], s["steps"])
+    if s["kind"] == "sweep":
+        return [float(v) if np.isfinite(v) else None for v in val[:, 0]]
+    windows = loss[0].reshape(s["seeds"], -1, EVERY).mean(axis=-1)  # (seeds, steps / EVERY)
+    return {"train": windows.tolist(), "val": val[0].tolist()}
+
+
+def git_commit() -> dict:
+    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
+                                    cwd=Path(__file__).parent).stdout.strip()
+    return {"commit": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--porcelain"))}
+
+
+def open_out(text: str, new: dict) -> tuple[Path, dict]:
+    """--out, checked before any training: a writable directory and its evidence.json ({} if
+    none), which must be of these settings: others are refused, never overwritten."""
+    out, path = Path(text), Path(text, "evidence.json")
     try:
-        values = [kind(v) for v in text.split(",")]
-    except ValueError:
-        raise UsageError(f"{flag}={text} is not a comma-separated list of "
-                         f"{kind.__name__}s") from None
-    if not all(0 < v < float("inf") for v in values):  # nan fails the test too
-        raise UsageError(f"{flag}={text}: every value must be positive and finite")
-    if len(set(values)) < len(values):
-        raise UsageError(f"{flag}={text} repeats a value")
-    return values
-
-
-def open_out(text: str, name: str, settings: dict) -> tuple[Path, dict]:
-    """--out, checked before any training: a writable directory and its NAME.json ({} if none),
-    which must be of these settings: results of others are refused, never overwritten."""
-    out, path = Path(text), Path(text, f"{name}.json")
-    try:
-        if not text or path.is_dir() or path.with_suffix(".png").is_dir():
-            why = "empty" if not text else f"{path.name} or its .png is a directory"
-            raise IsADirectoryError(0, why)
+        if not text or path.is_dir():
+            raise IsADirectoryError(0, "empty" if not text else f"{path.name} is a directory")
         out.mkdir(parents=True, exist_ok=True)
         tempfile.NamedTemporaryFile(dir=out).close()  # a probe: made and removed
     except OSError as e:
@@ -203,128 +233,66 @@ def open_out(text: str, name: str, settings: dict) -> tuple[Path, dict]:
         return out, {}
     try:
         old = json.loads(path.read_text())
-        keys = settings | old["settings"]
-        differ = [k for k in keys if old["settings"].get(k) != settings.get(k)]
-        why = f"other settings ({', '.join(differ[:4])} differ)"
-    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or no settings
-        differ, why = True, "unrecorded settings (an older mup.py's)"
+        differ = plots.differences(old["settings"], new)
+        why = f"other settings ({', '.join(differ[:4])}{' ...' * (len(differ) > 4)} differ)"
+        old["results"] = {p: {int(k): v for k, v in r.items()} for p, r in old["results"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not evidence's
+        differ, why = True, "unrecorded settings"
     if differ:
         raise UsageError(f"--out={out} holds {path.name} of {why}: "
                          "pick another --out or delete the file")
     return out, old
 
 
-def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """write(a temporary file beside path), then rename it to path: a run killed midway leaves the
-    old file or the new one, never half of one."""
-    # The suffix stays last: savefig picks the format from it.
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise RunError(f"writing {path} failed ({e.strerror or e}); "
-                       "the file is as it was") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+def evidence(name: str, overrides: list[str], cfg: Config, out_text: str) -> None:
+    """Every part, every size not yet in DIR/evidence.json; the files after each."""
+    parts = settings(cfg)
+    out, old = open_out(out_text, parts)
+    results = old.get("results", {})
+    todo = [(p, size) for p, s in parts.items() for size in s["sizes"]
+            if size not in results.get(p, {})]
+    print(f"{out}/evidence.json has these settings' results: {len(todo)} sizes left" * bool(old))
+    # the code that measured: this process's, before any training (the file's if nothing is left)
+    commit = git_commit() if todo else {k: old[k] for k in ("commit", "dirty")}
+    for part, size in todo + [(None, None)]:  # the last round writes every figure
+        if part:
+            results.setdefault(part, {})[size] = measure(parts[part], size)
+        doc = {"config_name": name, "overrides": overrides, **commit, "settings": parts,
+               "results": {p: dict(sorted(r.items())) for p, r in results.items()}}
+        doc = json.loads(json.dumps(doc))  # sizes as strings, as a reread file has them
+        for p in [part] if part else doc["results"]:
+            plots.write(out, doc, p)
+        plots.write_atomic(out / "evidence.json", lambda p: p.write_text(json.dumps(doc, indent=1)))
+        if part:
+            print(f"{part}, {parts[part]['axis']} {size}: done", flush=True)
+    print(f"all parts done: {out}/README.md")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["coord", "transfer"])
-    ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
-    ap.add_argument("--widths", help="comma-separated model widths (default 64,128,256,512)")
-    ap.add_argument("--depths",
-                    help="coord: comma-separated depths at the config's width, instead of widths")
-    ap.add_argument("--lrs", help="transfer: comma-separated learning rates")
-    ap.add_argument("--steps", type=int, default=5,
-                    help="train steps (coord: a few; transfer: a few hundred)")
-    ap.add_argument("--param", choices=["mup", "sp"], help="override the config's parametrization")
-    ap.add_argument("--seeds", type=int, default=3, help="coord: seeds to average over")
+    ap.add_argument("command", choices=["evidence"])
+    ap.add_argument("--config", default="shakespeare_char_cpu",
+                    help=f"one of: {', '.join(configs.available())}")
     ap.add_argument("--out", required=True, help="output directory")
     args, overrides = ap.parse_known_args(argv)  # --config.FIELD=VALUE, as launch.py takes them
-    transfer = args.command == "transfer"
 
     def interrupted(*_):
-        """Ctrl-C: one line and out at once (the files are whole at any moment: write_atomic);
+        """Ctrl-C: one line and out at once (each file is written whole, plots.write_atomic);
         not a KeyboardInterrupt, for launch.interrupted's reasons."""
         sys.stdout.flush()
-        then = "continue" if transfer else "start again"
-        print(f"error: interrupted; rerun the same command to {then}", file=sys.stderr)
+        print("error: interrupted; rerun the same command to continue", file=sys.stderr)
         os._exit(1)
 
     previous = signal.signal(signal.SIGINT, interrupted)
     try:
         cfg = configs.apply_overrides(configs.load(args.config), overrides)
         # kernels=False: the taps are in model.py's functions, which a fused kernel would skip
-        cfg = dataclasses.replace(cfg, param=args.param or cfg.param, mesh_replica=1,
-                                  kernels=False)
-        for flag, value in (("--steps", args.steps), ("--seeds", args.seeds)):
-            if value < 1:
-                raise UsageError(f"{flag}={value} must be at least 1")
-        if transfer and args.depths is not None:
-            raise UsageError("--depths is for coord: transfer sweeps widths (--widths)")
-        if args.widths is not None and args.depths is not None:
-            raise UsageError("--widths and --depths both given: "
-                             "coord sweeps one (depths at the config's width)")
-        # The default is set here, not by argparse, so that --depths sees --widths unset.
-        width_text = "64,128,256,512" if args.widths is None else args.widths
-        axis, text = ("width", width_text) if args.depths is None else ("depth", args.depths)
-        sizes = positive_list(f"--{axis}s", text, int)
-        if len(sizes) < 2:
-            raise UsageError(f"--{axis}s={text} needs at least two values to fit a slope")
-        for size in sizes:  # all before any training: a bad one fails before the others train
-            resize(cfg, axis, size).check(1)
-        lrs = sorted(positive_list("--lrs", args.lrs, float)) if args.lrs else None
-        if transfer and lrs is None:
-            raise UsageError("transfer needs --lrs")
-        if not transfer and lrs is not None:
-            raise UsageError("--lrs is for transfer: coord trains at the config's LR")
-        if lrs and lrs[-1] >= 3e38:
-            raise UsageError(f"--lrs={args.lrs}: every LR must be finite in float32")
-        # The config in JSON's types, to compare with a file's.
-        config = json.loads(json.dumps(dataclasses.asdict(cfg)))
-        sweep = {"lrs": lrs} if transfer else {"axis": axis, "sizes": sizes, "seeds": args.seeds}
-        settings = {"config": args.config, "steps": args.steps, **sweep,
-                    **{f"config.{k}": v for k, v in config.items()}}
-        out, old = open_out(args.out, "lr_transfer" if transfer else "coord_check", settings)
-        name = f"{args.config}, {cfg.param}"
-        if not transfer:  # coord is short: results of the same settings are made again
-            table = coord_check(cfg, axis, sizes, args.steps, args.seeds)
-            fitted = slopes(sizes, table)
-            title = f"{name}: mean |x| against {axis}, lr {cfg.learning_rate:g}"
-            write_atomic(out / "coord_check.png",
-                         lambda p: plots.coord(p, axis, sizes, table, title))
-            result = json.dumps({"settings": settings, "slopes": fitted}, indent=1)
-            write_atomic(out / "coord_check.json", lambda p: p.write_text(result))
-            worst = max(abs(v) for s in fitted.values() for v in s[1:] if v is not None)
-            print(f"largest |slope| after step 0: {worst:.3f}; "
-                  f"wrote {out}/coord_check.json and .png")
-            return
-        # The file's results of these settings; a null loss (a diverged run) reads back as nan.
-        old_rows = zip(old.get("widths", []), old.get("loss", []))
-        loss = {w: np.array(row, float) for w, row in old_rows}
-        best = lambda w: lrs[int(np.nanargmin(loss[w]))] if np.isfinite(loss[w]).any() else None
-        title = f"{name}, {args.steps} steps"
-        if done := [w for w in sizes if w in loss]:
-            print(f"{out}/lr_transfer.json has these settings' results at width "
-                  f"{', '.join(map(str, done))}: not trained again")
-        # The files are rewritten after each width: they show progress, and a rerun resumes.
-        for w in [w for w in sizes if w not in loss]:
-            loss[w] = lr_sweep(resize(cfg, "width", w), lrs, args.steps)
-            widths = sorted(loss)
-            rows = [[float(v) if np.isfinite(v) else None for v in loss[x]] for x in widths]
-            result = json.dumps({"settings": settings, "widths": widths, "loss": rows,
-                                 "best_lr": {str(x): best(x) for x in widths}}, indent=1)
-            write_atomic(out / "lr_transfer.png", lambda p: plots.transfer(p, loss, lrs, title))
-            write_atomic(out / "lr_transfer.json", lambda p: p.write_text(result))
-            if best(w):
-                print(f"width {w}: best LR {best(w):g}, loss {np.nanmin(loss[w]):.4f}", flush=True)
-            else:
-                print(f"width {w}: every LR diverged (loss nan)", flush=True)
-        best_lrs = {w: best(w) for w in sorted(loss)}
-        print(f"best LR per width: {best_lrs}; results in {out}/lr_transfer.json and .png")
+        cfg = dataclasses.replace(cfg, mesh_replica=1, kernels=False)
+        for s in settings(cfg).values():  # all before any training
+            for size in s["sizes"]:
+                resize(Config(**s["config"]), s["axis"], size).check(1)
+        evidence(args.config, overrides, cfg, args.out)
     except (UsageError, RunError) as e:
         raise SystemExit(f"error: {e}")
     finally:

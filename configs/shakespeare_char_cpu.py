@@ -1,6 +1,6 @@
 """nanoGPT's CPU recipe sizes (4 layers, 4 heads, width 128, block 64, batch 12) in float32. muP
-with its base at this shape, so its LR carries to other widths and depths (`python mup.py transfer
---config=shakespeare_char_cpu ...`). Heads are 32 wide, so attn_tau = sqrt(32) makes muP's
+with its base at this shape, so its LR carries to other widths and depths (`python mup.py evidence
+--out=docs/mup` measures it). Heads are 32 wide, so attn_tau = sqrt(32) makes muP's
 tau / head_dim SP's 1 / sqrt(head_dim). The 4 layers are unrolled in one scan iteration: at these
 sizes XLA:CPU runs the step faster so, and compiles as fast (BENCHMARKS.md).
 Schedule and optimizer: the fewest steps that end at val <= 1.70 over seeds 0-2 (BENCHMARKS.md):

@@ -5,7 +5,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import time
 
@@ -17,6 +16,7 @@ import pytest
 import configs
 import mup
 import params
+import plots
 import train
 from conftest import ROOT, run, tiny
 
@@ -120,199 +120,207 @@ def test_first_adam_step_sizes_follow_mup(m):
     assert hidden < seen and len(seen) == 11
 
 
+def coord_table(cfg, axis, sizes, steps, seeds=2):
+    """Activation name -> mean |x|, shape (sizes, steps + 1), from mup.coord_check at each size."""
+    rows = [mup.coord_check(mup.resize(cfg, axis, size), steps, seeds) for size in sizes]
+    return {name: np.array([row[name] for row in rows]) for name in rows[0]}
+
+
 def max_abs_slope(table, sizes, steps):
     """The largest |slope| over activations and steps; only the logits at init (all 0) have none."""
-    fitted = mup.slopes(sizes, table)
+    fitted = plots.slopes(sizes, table)
     assert all(fitted[name][t] is not None for name in fitted for t in steps if (name, t) != ("logits", 0))
     return max(abs(fitted[name][t] or 0.0) for name in fitted for t in steps), fitted
 
 
 def test_coordinate_check_over_width(shakespeare):
     """Widths 64 -> 512, steps 1-4: under muP every activation keeps its size (|slope| <= 0.15 in
-    log2 mean|x| against log2 width); the same harness under SP finds one growing (slope >= 0.4)."""
+    log2 mean|x| against log2 width); the same harness under SP (mup.variant's, GPT-2's) finds one growing
+    (slope >= 0.4)."""
     widths, cfg = [64, 128, 256, 512], mup_tiny(dataset="shakespeare_char")
-    worst, fitted = max_abs_slope(mup.coord_check(cfg, "width", widths, steps=4, seeds=2), widths, range(1, 5))
+    worst, fitted = max_abs_slope(coord_table(cfg, "width", widths, steps=4), widths, range(1, 5))
     assert worst <= 0.15, fitted
-    sp = mup.coord_check(dataclasses.replace(cfg, param="sp"), "width", widths, steps=4, seeds=2)
+    sp = coord_table(mup.variant(cfg, "sp"), "width", widths, steps=4)
     grows, fitted_sp = max_abs_slope(sp, widths, range(1, 5))
     assert grows >= 0.4, fitted_sp
-    assert set(fitted) == {"embed", "q", "k", "attn_logits", "attn_out", "mlp_hidden", "mlp_out", "resid.0",
-                           "resid.1", "logits"}
+    assert set(fitted) == {"embed", "q", "k", "attn_logits", "attn_out", "mlp_hidden", "mlp_out", "resid", "logits"}
 
 
 def test_coordinate_check_over_depth(shakespeare):
     """Depths 2 -> 16 at width 64, steps 1-4: with CompleteP's residual scale depth_base / L every
-    activation keeps its size (|slope| <= 0.15 against log2 depth); without it (SP, which at the base
-    width is muP without CompleteP) the residual stream grows. The embedding carries the stream
-    (alpha_in = 4; Cerebras-GPT's muP uses 10): at init CompleteP's stream is x0 plus 2L branches
-    scaled by depth_base / L, a part that fades like 1 / sqrt(L), which with alpha_in = 1 alone reads
-    as a slope of -0.2 over these shallow depths."""
+    activation keeps its size (|slope| <= 0.15 against log2 depth); without it (depth_base = L at every
+    depth) the residual stream grows. The embedding carries the stream (alpha_in = 4; Cerebras-GPT's muP
+    uses 10): at init CompleteP's stream is x0 plus 2L branches scaled by depth_base / L, a part that fades
+    like 1 / sqrt(L), which with alpha_in = 1 alone reads as a slope of -0.2 over these shallow depths."""
     depths, cfg = [2, 4, 8, 16], mup_tiny(dataset="shakespeare_char", alpha_in=4.0, learning_rate=4e-3, min_lr=4e-3)
-    worst, fitted = max_abs_slope(mup.coord_check(cfg, "depth", depths, steps=4, seeds=2), depths, range(1, 5))
+    worst, fitted = max_abs_slope(coord_table(cfg, "depth", depths, steps=4), depths, range(1, 5))
     assert worst <= 0.15, fitted
     ends = [depths[0], depths[-1]]  # the control needs only the ends for a slope: fewer compilations
-    sp = mup.coord_check(dataclasses.replace(cfg, param="sp"), "depth", ends, steps=4, seeds=2)
-    grows, fitted_sp = max_abs_slope(sp, ends, range(1, 5))
-    assert grows >= 0.4, fitted_sp
+    rows = [mup.coord_check(mup.variant(mup.resize(cfg, "depth", L), "nodepth"), 4, 2) for L in ends]
+    grows, fitted_off = max_abs_slope({k: np.array([r[k] for r in rows]) for k in rows[0]}, ends, range(1, 5))
+    assert grows >= 0.4, fitted_off
+
+
+def lr_sweep(cfg, lrs, steps):
+    """The validation loss after `steps` steps at each LR, from one initial model."""
+    return mup.train_runs(cfg, lrs, 1, steps)[1][:, 0]
 
 
 def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
     """Widths 64, 128, 256, six LRs a factor 2 apart, 150 steps of real data: under muP the best LR is
     the same grid point for every width (at most one step apart) and wider is better at it; under SP
-    the best LR moves down by at least one step from width 64 (where SP is muP) to 256."""
+    the best LR moves down by at least one step from width 64 to 256."""
     cfg = mup_tiny(dataset="shakespeare_char", n_layer=1, depth_base=1, batch_size=8, eval_batches=16, max_steps=150,
                    warmup_steps=0, min_lr=2e-4)
     widths, lrs = [64, 128, 256], [2.0**k for k in range(-10, -4)]
-    loss = np.stack([mup.lr_sweep(mup.resize(cfg, "width", w), lrs, 150) for w in widths])
+    loss = np.stack([lr_sweep(mup.resize(cfg, "width", w), lrs, 150) for w in widths])
     best = np.nanargmin(loss, axis=1)
     assert np.ptp(best) <= 1, loss
     assert np.all(np.diff(loss[np.arange(len(widths)), best]) < 0), loss
-    sp_wide = mup.lr_sweep(mup.resize(dataclasses.replace(cfg, param="sp"), "width", widths[-1]), lrs, 150)
+    sp_wide = lr_sweep(mup.resize(mup.variant(cfg, "sp"), "width", widths[-1]), lrs, 150)
     assert np.nanargmin(sp_wide) <= best[0] - 1, (loss, sp_wide)
 
 
-@pytest.mark.parametrize("args, error", [(["coord", "--widths=64,abc"], "--widths=64,abc is not a comma-separated list of ints"),
-                                         (["coord", "--depths=2,-4"], "--depths=2,-4: every value must be positive and finite"),
-                                         (["transfer", "--lrs=1e-3,nan"], "--lrs=1e-3,nan: every value must be positive and finite"),
-                                         (["transfer", "--lrs=inf,1e-3"], "--lrs=inf,1e-3: every value must be positive and finite"),
-                                         (["coord", "--seeds=0"], "--seeds=0 must be at least 1"),
-                                         (["transfer", "--lrs=1e-3,fast"], "--lrs=1e-3,fast is not a comma-separated list of floats"),
-                                         (["transfer", "--lrs=1e-3,1e39"], "--lrs=1e-3,1e39: every LR must be finite in float32"),
-                                         (["transfer", "--lrs=1e-3,2e-3,1e-3"], "--lrs=1e-3,2e-3,1e-3 repeats a value"),
-                                         (["coord", "--widths=64,64"], "--widths=64,64 repeats a value"),
-                                         (["coord", "--widths=64"], "--widths=64 needs at least two values to fit a slope"),
-                                         (["coord", "--widths=32,64,48"], "width 48 is not a multiple of the head dim 32"),
-                                         (["coord", "--widths=64,128", "--depths=2,4"], "--widths and --depths both given"),
-                                         (["coord", "--widths="], "--widths= is not a comma-separated list of ints"),
-                                         (["transfer", "--depths=2,4", "--lrs=1e-3"], "--depths is for coord"),
-                                         (["coord", "--lrs=1e-3"], "--lrs is for transfer"),
-                                         (["coord", "--out=TMP/FILE"], "--out=TMP/FILE cannot be written (File exists)"),
-                                         (["coord", "--out=TMP/FILE/sub"], "--out=TMP/FILE/sub cannot be written"),
-                                         (["coord", "--out=/proc/mugpt"], "--out=/proc/mugpt cannot be written"),
-                                         (["coord", "--out="], "--out= cannot be written (empty)"),
-                                         (["coord", "--config.n_layers=2"], "unknown config field 'n_layers'; did you mean n_layer"),
-                                         (["coord", "--out=TMP/d"], "--out=TMP/d cannot be written (coord_check.json or its .png is a directory)"),
-                                         (["transfer", "--lrs=1e-3", "--out=TMP/d"], "--out=TMP/d cannot be written (lr_transfer.json or its .png is a directory)")])
-def test_bad_sweep_arguments_are_one_line_errors_before_any_training(tmp_path, monkeypatch, args, error):
-    """Each is refused before the first width trains (which takes minutes at the README's sizes)."""
-    def train(*_):
+def test_docs_mup_evidence_is_current():
+    """docs/mup/evidence.json holds the settings (full resolved configs, sizes, steps, seeds, LRs) that
+    `python mup.py evidence --out=docs/mup` would run now, a result for every size, and the README made from
+    them: otherwise the evidence is stale, and this names the fields that differ."""
+    doc = json.loads((ROOT / "docs" / "mup" / "evidence.json").read_text())
+    # a Config field added after the evidence was made is its default there (as launch.py reads an
+    # older run's config.json): a new option, off by default, does not change what was measured
+    defaults = json.loads(json.dumps(dataclasses.asdict(configs.Config())))
+    for part in doc["settings"].values():
+        part["config"] = {**{k: v for k, v in defaults.items() if k not in part["config"]},
+                          **part["config"]}
+    cfg = configs.apply_overrides(configs.load(doc["config_name"]), doc["overrides"])
+    now = mup.settings(dataclasses.replace(cfg, mesh_replica=1, kernels=False))
+    stale = plots.differences(doc["settings"], now)
+    assert not stale, f"docs/mup is stale ({', '.join(stale)} differ): python mup.py evidence --out=docs/mup"
+    missing = [(p, s) for p, v in now.items() for s in v["sizes"] if str(s) not in doc["results"].get(p, {})]
+    assert not missing, f"docs/mup lacks {missing}: rerun python mup.py evidence --out=docs/mup to finish it"
+    assert (ROOT / "docs" / "mup" / "README.md").read_text() == plots.readme(doc)
+
+
+def test_staleness_names_the_differing_fields():
+    """The staleness test's comparison: a changed config field, LR grid and size list are each named."""
+    now = mup.settings(configs.load("shakespeare_char_cpu"))
+    old = json.loads(json.dumps(now))
+    old["lr_width"]["config"]["learning_rate"] = 2e-3
+    old["curves"]["sizes"] = old["curves"]["sizes"][:-1]
+    del old["coord_depth"]["config"]["rope_base"]
+    assert plots.differences(old, json.loads(json.dumps(now))) == [
+        "coord_depth.config.rope_base", "lr_width.config.learning_rate", "curves.sizes"]
+
+
+def fake_measure(done, interrupt_at=None):
+    """mup.measure's stand-in: results from the size; records (part, size). At interrupt_at it sends the
+    process a Ctrl-C (SIGINT) and waits for it."""
+    def measure(s, size):
+        if (s["kind"], size) == interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(60)
+        done.append((s["kind"], size))
+        if s["kind"] == "coord":
+            return {"q": [float(size) ** 0.5 * (t + 1) for t in range(s["steps"] + 1)]}
+        if s["kind"] == "sweep":
+            return [size * lr for lr in s["lrs"][:-1]] + [None]  # None: a diverged run
+        return {"train": [[3 - size / 1000 - t / 100 for t in range(s["steps"] // mup.EVERY)]] * s["seeds"],
+                "val": [3.0] * s["seeds"]}
+    return measure
+
+
+INTERRUPTED = """import sys, mup, test_mup
+mup.measure = test_mup.fake_measure([], interrupt_at=("sweep", 256))
+mup.main(sys.argv[1:])
+"""
+
+
+def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypatch, capsys):
+    """Ctrl-C midway, evidence says how to continue (one line, no traceback) and its files hold what was done;
+    the same command then measures only the rest and ends with the files of an uninterrupted run. Other
+    settings in that --out, or a JSON without recorded settings, are refused and left as they were."""
+    args = ["evidence", "--config=shakespeare_char_cpu"]
+    done = []
+    monkeypatch.setattr(mup, "measure", fake_measure(done))
+    mup.main([*args, f"--out={tmp_path / 'whole'}"])
+    n = sum(len(s["sizes"]) for s in mup.settings(configs.load("shakespeare_char_cpu")).values())
+    assert len(done) == n
+    whole = json.loads((tmp_path / "whole" / "evidence.json").read_text())
+    assert whole["results"]["lr_width"]["64"][-1] is None
+    readme = (tmp_path / "whole" / "README.md").read_text()
+    assert "| 64 | 0 (0.00025) | 0 (0.00025) |" in readme and "Wider is better at every" in readme
+
+    out, done[:] = tmp_path / "resumed", []
+    result = run(["-c", INTERRUPTED, *args, f"--out={out}"], timeout=300)
+    assert (result.returncode, result.stderr) == (1, "error: interrupted; rerun the same command to continue\n")
+    assert not [f for f in os.listdir(out) if f.startswith(".")]  # no temporary file left
+    partial = json.loads((out / "evidence.json").read_text())["results"]
+    assert "lr_width" in partial and "256" not in partial["lr_width"]
+    capsys.readouterr()
+    mup.main([*args, f"--out={out}"])
+    assert len(done) == n - sum(map(len, partial.values())) and "sizes left" in capsys.readouterr().out
+    again = json.loads((out / "evidence.json").read_text())
+    assert again["results"] == whole["results"] and again["settings"] == whole["settings"]
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "evidence.json").write_text(json.dumps({"results": {}}))  # no settings
+    for where, other, error in [(out, ["--config.learning_rate=1e-3"], "of other settings (coord_width.lrs, "
+                                 "coord_width.config.learning_rate, coord_width_sp.lrs, coord_width_sp.config."
+                                 "learning_rate ... differ)"),
+                                (tmp_path / "old", [], "of unrecorded settings")]:
+        before = {f: f.read_bytes() for f in where.iterdir()}
+        with pytest.raises(SystemExit, match="^" + re.escape(f"error: --out={where} holds evidence.json {error}: pick")):
+            mup.main([*args, *other, f"--out={where}"])
+        assert {f: f.read_bytes() for f in where.iterdir()} == before
+
+
+@pytest.mark.parametrize("args, error", [(["--config.n_layers=2"], "unknown config field 'n_layers'; did you mean n_layer"),
+                                         (["--config.n_head=3"], "width 64 is not a multiple of the head dim"),
+                                         (["--out=TMP/FILE"], "--out=TMP/FILE cannot be written (File exists)"),
+                                         (["--out=TMP/FILE/sub"], "--out=TMP/FILE/sub cannot be written"),
+                                         (["--out=/proc/mugpt"], "--out=/proc/mugpt cannot be written"),
+                                         (["--out="], "--out= cannot be written (empty)"),
+                                         (["--out=TMP/d"], "--out=TMP/d cannot be written (evidence.json is a directory)")])
+def test_bad_evidence_arguments_are_one_line_errors_before_any_training(tmp_path, monkeypatch, args, error):
+    """Each is refused before the first part trains (the whole takes most of an hour)."""
+    def measure(*_):
         raise AssertionError("trained before the arguments were checked")
-    monkeypatch.setattr(mup, "coord_check", train)
-    monkeypatch.setattr(mup, "lr_sweep", train)
+    monkeypatch.setattr(mup, "measure", measure)
     (tmp_path / "FILE").write_text("")
-    (tmp_path / "d" / "coord_check.json").mkdir(parents=True)
-    (tmp_path / "d" / "lr_transfer.png").mkdir()
+    (tmp_path / "d" / "evidence.json").mkdir(parents=True)
     args, error = [a.replace("TMP", str(tmp_path)) for a in args], error.replace("TMP", str(tmp_path))
     with pytest.raises(SystemExit, match="^" + re.escape(f"error: {error}")):
-        mup.main([f"--out={tmp_path}", *args, "--config=shakespeare_char_cpu"])  # a later --out wins
+        mup.main(["evidence", f"--out={tmp_path}", *args])  # a later --out wins
 
 
-SWEEPS = """import sys, jax, mup
-for args in (["coord", "--widths=32,64", "--steps=1", "--seeds=1"], ["transfer", "--widths=32,64", "--lrs=1e-3,2e-3", "--steps=2"]):
-    mup.main([*args, "--config=shakespeare_char_cpu", f"--out={sys.argv[1]}"])
+SWEEPS = """import dataclasses, json, sys, jax, configs, mup
+cfg = dataclasses.replace(configs.load("shakespeare_char_cpu"), d_model=32, n_head=1, kernels=False)
+print(json.dumps([mup.coord_check(cfg, 1, 1), mup.train_runs(cfg, [1e-3, 2e-3], 1, 2)[1].tolist()]))
 print("devices:", jax.device_count())
 """
 
 
-def test_sweeps_run_on_one_device_of_several(tmp_path, shakespeare):
-    """With two devices in the process both commands run (coord's ordered callback is refused by JAX on a
-    mesh of two) and write the same numbers, bit for bit, as with one: the same one-device program."""
+def test_sweeps_run_on_one_device_of_several(shakespeare):
+    """With two devices in the process both measurements run (coord's ordered callback is refused by JAX on a
+    mesh of two) and give the same numbers, bit for bit, as with one: the same one-device program."""
     results = []
     for n in (1, 2):
-        done = run(["-c", SWEEPS, str(tmp_path / str(n))], env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+        done = run(["-c", SWEEPS], env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
         assert done.returncode == 0 and f"devices: {n}" in done.stdout, done.stderr[-2000:]
-        results.append([json.loads((tmp_path / str(n) / f).read_text()) for f in ("coord_check.json", "lr_transfer.json")])
+        results.append(done.stdout.splitlines()[0])
     assert results[0] == results[1]
-
-
-def fake_sweep(trained, interrupt_at=None):
-    """lr_sweep's stand-in: a loss per LR from the width, nan (a diverged run) at the largest; records widths.
-    At width interrupt_at it sends the process a Ctrl-C (SIGINT) and waits for it."""
-    def sweep(cfg, lrs, steps):
-        if cfg.d_model == interrupt_at:
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(60)
-        trained.append(cfg.d_model)
-        return np.array([cfg.d_model * lr * steps for lr in lrs[:-1]] + [np.nan])
-    return sweep
-
-
-INTERRUPTED = """import sys, mup, test_mup
-mup.lr_sweep = test_mup.fake_sweep([], interrupt_at=int(sys.argv[1]))
-mup.main(sys.argv[2:])
-"""
-
-
-def test_transfer_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypatch, capsys):
-    """Ctrl-C at its second width, transfer says how to continue (one line, no traceback) and its files hold
-    the first; the same command then trains only the rest and ends with the files of an uninterrupted run.
-    Other settings in that --out, or results mup.py did not record the settings of (docs/'s), are refused
-    and left as they were."""
-    args = ["transfer", "--config=shakespeare_char_cpu", "--widths=64,32,96", "--lrs=1e-3,2e-3,4e-3", "--steps=3"]
-    trained = []
-    monkeypatch.setattr(mup, "lr_sweep", fake_sweep(trained))
-    mup.main([*args, f"--out={tmp_path / 'whole'}"])
-    assert trained == [64, 32, 96]
-    whole = json.loads((tmp_path / "whole" / "lr_transfer.json").read_text())
-    assert whole["widths"] == [32, 64, 96] and whole["loss"][0][-1] is None and whole["best_lr"]["32"] == 1e-3
-
-    out, trained[:] = tmp_path / "resumed", []
-    done = run(["-c", INTERRUPTED, "32", *args, f"--out={out}"], timeout=120)
-    assert (done.returncode, done.stderr) == (1, "error: interrupted; rerun the same command to continue\n"), done.stderr
-    assert sorted(os.listdir(out)) == ["lr_transfer.json", "lr_transfer.png"]  # no temporary file left
-    assert json.loads((out / "lr_transfer.json").read_text())["widths"] == [64]
-    capsys.readouterr()
-    mup.main([*args, f"--out={out}"])
-    assert trained == [32, 96] and "results at width 64: not trained again" in capsys.readouterr().out
-    assert json.loads((out / "lr_transfer.json").read_text()) == whole
-
-    (tmp_path / "docs").mkdir()
-    shutil.copy(ROOT / "docs" / "mup" / "lr_transfer.json", tmp_path / "docs")
-    for where, other, error in [(out, ["--lrs=1e-3,2e-3"], "of other settings (lrs differ)"),
-                                (out, ["--param=sp", "--steps=4"], "of other settings (steps, config.param differ)"),
-                                (tmp_path / "docs", [], "of unrecorded settings (an older mup.py's)")]:
-        before = {f: f.read_bytes() for f in where.iterdir()}
-        with pytest.raises(SystemExit, match="^" + re.escape(f"error: --out={where} holds lr_transfer.json {error}: pick another")):
-            mup.main([*args, *other, f"--out={where}"])
-        assert {f: f.read_bytes() for f in where.iterdir()} == before
-    assert trained == [32, 96]
-
-
-def test_coord_makes_again_only_results_of_its_own_settings(tmp_path, monkeypatch):
-    """coord_check.json records its settings; a rerun of them writes it again, one of other settings (or into
-    docs/'s results, which record none) is refused and leaves the files as they were."""
-    table = lambda cfg, axis, sizes, steps, seeds: {"q": np.sqrt(np.outer(sizes, np.arange(1, steps + 2)))}  # slope 1/2
-    monkeypatch.setattr(mup, "coord_check", table)
-    args = ["coord", "--config=shakespeare_char_cpu", "--steps=2"]
-    for _ in range(2):
-        mup.main([*args, "--widths=32,64", f"--out={tmp_path / 'out'}"])
-        result = json.loads((tmp_path / "out" / "coord_check.json").read_text())
-        assert result["slopes"] == {"q": [pytest.approx(0.5)] * 3}
-        settings = result["settings"]
-        assert (settings["sizes"], settings["seeds"], settings["config.learning_rate"]) == ([32, 64], 3, 4e-3)
-    mup.main([*args, "--widths=32,64", "--config.learning_rate=1e-3", f"--out={tmp_path / 'lr'}"])  # as launch.py takes it
-    assert json.loads((tmp_path / "lr" / "coord_check.json").read_text())["settings"]["config.learning_rate"] == 1e-3
-    (tmp_path / "docs").mkdir()
-    shutil.copy(ROOT / "docs" / "mup" / "coord_check.json", tmp_path / "docs")
-    for where, other, error in [("out", ["--widths=32,64", "--steps=3"], "of other settings (steps differ)"),
-                                ("out", ["--depths=2,4"], "of other settings (axis, sizes differ)"),
-                                ("docs", ["--widths=32,64"], "of unrecorded settings (an older mup.py's)")]:
-        before = {f: f.read_bytes() for f in (tmp_path / where).iterdir()}
-        with pytest.raises(SystemExit, match="^" + re.escape(f"error: --out={tmp_path / where} holds coord_check.json {error}")):
-            mup.main([*args, *other, f"--out={tmp_path / where}"])
-        assert {f: f.read_bytes() for f in (tmp_path / where).iterdir()} == before
 
 
 def test_a_write_stopped_midway_leaves_the_old_file(tmp_path):
     """Results are written beside their file, then renamed over it: a kill leaves the old file or the new one."""
-    path = tmp_path / "lr_transfer.json"
+    path = tmp_path / "evidence.json"
     path.write_text("old")
 
     def half(tmp):
         tmp.write_text("ne")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        mup.write_atomic(path, half)
+        plots.write_atomic(path, half)
     assert path.read_text() == "old" and os.listdir(tmp_path) == [path.name]
-    mup.write_atomic(path, lambda tmp: tmp.write_text("new"))
+    plots.write_atomic(path, lambda tmp: tmp.write_text("new"))
     assert path.read_text() == "new" and os.listdir(tmp_path) == [path.name]

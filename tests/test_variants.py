@@ -144,12 +144,11 @@ def test_a_variant_run_resumes_exactly(shakespeare, tmp_path, env):  # noqa: F81
 @pytest.mark.parametrize("name", ["gqa", "sharedkv", "alibi", "mudd"])
 def test_coordinate_check_over_width_holds_for_each_variant(shakespeare, name):
     """mup.py's coordinate check, widths 64 -> 256, steps 1-4, with the baseline's threshold: every
-    activation (MUDD's streams included: they are the blocks' inputs) keeps its size under muP."""
-    from test_mup import max_abs_slope, mup_tiny
-    import mup
+    activation (MUDD's streams included: they are the blocks' inputs) keeps its size under muP.
+    GQA keeps its ratio of query to key/value heads as the heads grow (mup.resize)."""
+    from test_mup import coord_table, max_abs_slope, mup_tiny
     widths, cfg = [64, 128, 256], mup_tiny(dataset="shakespeare_char", **VARIANTS[name])
-    table = mup.coord_check(cfg, "width", widths, steps=4, seeds=2)
-    worst, fitted = max_abs_slope(table, widths, range(1, 5))
+    worst, fitted = max_abs_slope(coord_table(cfg, "width", widths, steps=4), widths, range(1, 5))
     assert worst <= 0.15, fitted
 
 

@@ -1,0 +1,87 @@
+"""Breaks one muP/CompleteP rule at a time in a copy of the repo and lists the muP tests that then
+fail: each rule must have a test that catches it (the table: issue 33's closing note).
+
+    python tools/mutate_mup.py [RULE ...] [-- PYTEST_ARGS]
+
+RULE: the names below (default: all). The copy holds the tracked files and the prepared data; the
+working tree is never edited. Each mutation must change its file exactly once, or it is reported
+as stale (the code moved on) rather than run."""
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_mup_rules.py", "tests/test_mup.py"]
+READOUT_EPS = 'spec=(None, "fsdp"), eps_mult=1 / m),\n        # hidden'  # the readout's row
+# rule: (file, the correct text, the broken text)
+MUTATIONS = {
+    "hidden LR 1/m": ("params.py", "hidden = dict(lr_mult=1 / m,", "hidden = dict(lr_mult=1.0,"),
+    "hidden LR no depth factor": ("params.py", "hidden = dict(lr_mult=1 / m,",
+                                  "hidden = dict(lr_mult=1 / (m * d),"),
+    "embedding LR 1": ("params.py", "Policy(embed_std, 1.0,", "Policy(embed_std, 1 / m,"),
+    "readout multiplier alpha_out/m": ("model.py", "cfg.alpha_out / cfg.width_mult",
+                                       "cfg.alpha_out"),
+    "hidden init 1/sqrt(fan_in)": ("params.py", '"blocks.mlp.up": Policy(1 / math.sqrt(D)',
+                                   '"blocks.mlp.up": Policy(1 / math.sqrt(cfg.d_base)'),
+    "down init 1/sqrt(F)": ("params.py", "Policy(1 / math.sqrt(F)", "Policy(1 / math.sqrt(D)"),
+    "embedding init 1": ("params.py", "if cfg.tie_embeddings else 1.0",
+                         "if cfg.tie_embeddings else D**-0.5"),
+    "readout init 0": ("params.py", '"emb.unembed": Policy(0.0,', '"emb.unembed": Policy(D**-0.5,'),
+    "attention tau/head_dim": ("configs/__init__.py", "return self.attn_tau / self.head_dim",
+                               "return self.attn_tau / math.sqrt(self.head_dim)"),
+    "Adam eps 1/(m d) in blocks": ("params.py", "decay=True, eps_mult=1 / (m * d))",
+                                   "decay=True, eps_mult=1.0)"),
+    "Adam eps 1/m outside blocks (readout)": ("params.py", READOUT_EPS,
+                                              READOUT_EPS.replace("1 / m", "1.0")),
+    "weight decay independent of lr_mult": ("train.py", "(decay * p if policy.decay",
+                                            "(decay * policy.lr_mult * p if policy.decay"),
+    "weight decay independent of lr": ("train.py",
+                                       "decay = cfg.weight_decay * lr / cfg.learning_rate",
+                                       "decay = cfg.weight_decay * lr"),
+    "CompleteP branch 1/d": ("model.py", "self.branch_mult = 1 / cfg.depth_mult",
+                             "self.branch_mult = 1.0"),
+}
+
+
+def copy_repo(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    (dest / "data").mkdir(exist_ok=True)
+    (dest / "data" / "shakespeare_char").symlink_to(ROOT / "data" / "shakespeare_char")
+
+
+def failing(dest: Path, pytest_args: list[str]) -> list[str]:
+    # the staleness test checks docs/mup, not a rule
+    skip = "--deselect=tests/test_mup.py::test_docs_mup_evidence_is_current"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS,
+                           skip, *pytest_args], cwd=dest, capture_output=True, text=True)
+    return sorted(set(re.findall(r"^FAILED \S+::(\S+)", done.stdout, re.M)))
+
+
+def main(argv: list[str]) -> None:
+    rules, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
+    for rule in rules or MUTATIONS:
+        path, good, bad = MUTATIONS[rule]
+        with tempfile.TemporaryDirectory() as tmp:
+            dest = Path(tmp)
+            copy_repo(dest)
+            text = (dest / path).read_text()
+            if text.count(good) != 1:
+                print(f"| {rule} | stale: {path} holds {good!r} {text.count(good)} times |",
+                      flush=True)
+                continue
+            (dest / path).write_text(text.replace(good, bad))
+            caught = failing(dest, pytest_args)
+            print(f"| {rule} | {', '.join(caught) or 'NONE: no test fails'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -91,11 +91,11 @@ def test_weight_decay_is_independent_of_lr_and_only_on_matrices():
     for lr in (1e-3, 1.0):
         cfg = tiny(norm_gain=True, weight_decay=0.01, learning_rate=lr, min_lr=lr, warmup_steps=0)
         s = train.setup(cfg, train.make_mesh(cfg))
-        params = eqx.filter(s.model, eqx.is_array)
+        arrays = eqx.filter(s.model, eqx.is_array)
         opt = train.make_optimizer(cfg, params.policy_table(s.model, cfg))
-        zeros = jax.tree.map(np.zeros_like, params)
-        updates, _ = opt.update(zeros, opt.init(params), params)
-        np.testing.assert_allclose(updates.blocks.mlp.up, -0.01 * params.blocks.mlp.up, rtol=1e-6)
+        zeros = jax.tree.map(np.zeros_like, arrays)
+        updates, _ = opt.update(zeros, opt.init(arrays), arrays)
+        np.testing.assert_allclose(updates.blocks.mlp.up, -0.01 * arrays.blocks.mlp.up, rtol=1e-6)
         assert float(np.abs(updates.blocks.attn_norm).max()) == 0.0
         assert float(np.abs(updates.blocks.attn.q_norm).max()) == 0.0
 

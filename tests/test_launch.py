@@ -37,13 +37,20 @@ def test_bad_overrides_name_the_field(arg, message):
         configs.apply_overrides(configs.load("shakespeare_char_cpu"), [arg])
 
 
-@pytest.mark.parametrize("kind", [tuple[int, int], list[int], float | None])
+@pytest.mark.parametrize("kind", [tuple[int, int], list[int], dict[str, int] | None])
 def test_a_field_type_the_command_line_cannot_parse_is_one_line(kind):
     """A field a researcher adds with a type parse_value does not know: an error, not tuple("2,4")
     or a TypeError."""
     message = r"^--config.sizes: a field of type .* is set in a config module"
     with pytest.raises(UsageError, match=message):
         configs.parse_value("sizes", kind, "2,4")
+
+
+def test_an_optional_field_parses_its_type_or_none():
+    assert configs.parse_value("n_kv_head", int | None, "2") == 2
+    assert configs.parse_value("n_kv_head", int | None, "None") is None
+    with pytest.raises(UsageError, match=r"^--config.n_kv_head='two': expected int$"):
+        configs.parse_value("n_kv_head", int | None, "two")
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -151,3 +151,62 @@ def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys)
     np.testing.assert_allclose(kernels.recomputing_gelu(x32), x * cdf, rtol=1e-5, atol=1e-6)
     grad = jax.grad(lambda x: jnp.sum(kernels.recomputing_gelu(x)))(x32)
     np.testing.assert_allclose(grad, cdf + x * pdf, rtol=1e-4, atol=1e-5)
+
+
+def test_sharded_kernels_match_one_device(tmp_path):
+    """8 simulated devices, all FSDP, every kernel per device (Pallas in its interpreter): the
+    probe asserts each pallas_call runs in a shard_map on the device's own sequences, and the loss,
+    gradients and updated parameters equal one device's of model.py's functions."""
+    outputs = {}
+    for devices, extra in ((1, []), (8, ["1", "kernels"])):
+        outputs[devices] = tmp_path / f"d{devices}.npz"
+        r = run([str(ROOT / "tests/fsdp_probe.py"), str(devices), str(outputs[devices]), *extra])
+        assert r.returncode == 0, r.stderr
+    one, many = np.load(outputs[1]), np.load(outputs[8])
+    assert set(many.files) == set(one.files)
+    for name in one.files:
+        np.testing.assert_allclose(many[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+# Run with 8 simulated devices: the self-check on train.py's mesh, against edits of model.py
+SHARDED_CHECK = """
+import dataclasses, jax
+jax.config.update("jax_num_cpu_devices", 8)
+import jax.numpy as jnp
+import kernels, model, pallas_qk_norm_rope, train
+from conftest import tiny
+pallas_qk_norm_rope.ROWS = 8
+kernels.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in kernels.FAST_PATHS
+                      if p.fn is not kernels.splash_attend]
+cfg = tiny(n_head=4, d_model=64, n_kv_head=2)
+mesh = train.make_mesh(cfg)
+assert set(kernels.select(cfg, mesh)) == {"attend", "qk_norm_rope", "gelu"}
+plain_rope = model.rope
+model.rope = lambda x, cos, sin: plain_rope(x, cos, -sin)
+assert set(kernels.select(cfg, mesh)) == {"attend", "gelu"}
+model.rope = plain_rope
+
+def first_device_only(x):  # right on the first device's sequences, wrong on the others'
+    axes = kernels.batch_axes()
+    if axes is None:  # one device
+        return model.gelu(x)
+    return kernels.per_device(lambda x: model.gelu(x) * (1 + jax.lax.axis_index(axes)), x)
+
+kernels.FAST_PATHS[-1] = dataclasses.replace(kernels.FAST_PATHS[-1], fn=first_device_only)
+assert "gelu" in kernels.select(cfg)  # on one device: no mesh, no shard_map, right
+assert set(kernels.select(cfg, mesh)) == {"attend", "qk_norm_rope"}
+"""
+
+
+def test_the_self_check_sets_a_sharded_kernel_aside(tmp_path):
+    """On 8 simulated devices the check runs each kernel as training does, split over the mesh:
+    an edit to model.rope sets the Pallas kernel aside, and so does a kernel right on one device
+    but wrong on the others' sequences (which a check on one device would pass)."""
+    r = run(["-c", SHARDED_CHECK])
+    assert r.returncode == 0, r.stderr
+    lines = r.stderr.splitlines()
+    assert lines[0] == "kernels: attend, qk_norm_rope, gelu fused, checked against model.py's functions"
+    assert lines[1].startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, "
+                               "model.qk_norm_rope runs instead: its output differs by ")
+    assert lines[-2].startswith("kernels: the recomputing GELU set aside, model.gelu runs instead: "
+                                "its output differs by ")

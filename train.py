@@ -50,8 +50,7 @@ def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
 
 
 def lr_schedule(cfg: Config):
-    """Linear warmup from learning_rate / warmup_steps to learning_rate, then cosine decay to
-    min_lr at max_steps."""
+    """Linear warmup to learning_rate in warmup_steps, then cosine decay to min_lr by max_steps."""
     def lr(step):
         step = jnp.asarray(step, jnp.float32)
         warm = cfg.learning_rate * (step + 1) / max(cfg.warmup_steps, 1)

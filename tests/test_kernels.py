@@ -205,7 +205,8 @@ def test_the_self_check_sets_a_sharded_kernel_aside(tmp_path):
     r = run(["-c", SHARDED_CHECK])
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()
-    assert lines[0] == "kernels: attend, qk_norm_rope, gelu fused, checked against model.py's functions"
+    all_fused = "kernels: attend, qk_norm_rope, gelu fused, checked against model.py's functions"
+    assert lines[0] == all_fused
     assert lines[1].startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, "
                                "model.qk_norm_rope runs instead: its output differs by ")
     assert lines[-2].startswith("kernels: the recomputing GELU set aside, model.gelu runs instead: "

@@ -195,7 +195,7 @@ def time_to(cfg: Config, target: float, rundir: str | None) -> dict:
 def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | None = None) -> dict:
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
 
     import metrics
     import model

@@ -12,7 +12,7 @@
 # one H100, most of it compiling; time 3-5 minutes.
 # Copy the lines into BENCHMARKS.md's table with the device, the date and the commit.
 set -u
-cd "$(dirname "$0")"
+cd "$(dirname "$0")" || exit 1
 OUT=${1:-runs/bench_gpu-$(date +%Y%m%d-%H%M%S)}
 PARTS=" ${*:2} "
 [ "$PARTS" = "  " ] && PARTS=" check mfu time multi "
@@ -46,32 +46,33 @@ part check && timeout 300 python -m pytest -q tests/test_model.py -k attention_i
 
 # 2. MFU on one GPU: openwebtext (124M), openwebtext_xl (1.5B) in its default scan and unrolled;
 #    the variants through the rewritten Pallas kernel; kernels off as the baseline.
-OWT="--config=openwebtext --config.batch_size=64 --config.grad_accum=1 --steps=20"
-XL="--config=openwebtext_xl --config.batch_size=16 --config.grad_accum=1 --steps=10"
+OWT=(--config=openwebtext --config.batch_size=64 --config.grad_accum=1 --steps=20)
+XL=(--config=openwebtext_xl --config.batch_size=16 --config.grad_accum=1 --steps=10)
 part mfu && {
-bench $OWT
-bench $OWT --config.kernels=false
-bench $OWT --config.n_kv_head=4
-bench $OWT --config.attention=sharedkv
-bench $XL
-bench $XL --config.scan_unroll=48
-bench $OWT --trace=$OUT/trace
+bench "${OWT[@]}"
+bench "${OWT[@]}" --config.kernels=false
+bench "${OWT[@]}" --config.n_kv_head=4
+bench "${OWT[@]}" --config.attention=sharedkv
+bench "${XL[@]}"
+bench "${XL[@]}" --config.scan_unroll=48
+bench "${OWT[@]}" --trace="$OUT/trace"
 }
 
 # 3. Time to nanoGPT's val loss 1.4697 on shakespeare_char (its default ended at 1.528, BENCHMARKS.md
 #    G5, without dropout): the default and stronger weight decay, evaluated every 25 steps.
-TT="--config=shakespeare_char --config.eval_interval=25 --time-to=1.4697"
+TT=(--config=shakespeare_char --config.eval_interval=25 --time-to=1.4697)
 part time && for extra in "" "--config.weight_decay=1e-3" "--config.weight_decay=3e-3" \
              "--config.weight_decay=1e-3 --config.max_steps=750 --config.learning_rate=6e-4"; do
-  bench $TT $extra
+  read -ra more <<< "$extra"
+  bench "${TT[@]}" "${more[@]}"
 done
 
 # 4. Several GPUs (only where there are): openwebtext_xl under FSDP on all of them against one,
 #    tokens/s and the profile's top ops (the collectives among them).
 unset CUDA_VISIBLE_DEVICES
 if part multi && [ "$GPUS" -gt 1 ]; then
-  N="--config=openwebtext_xl --config.batch_size=$((16 * GPUS)) --config.grad_accum=1 --steps=10"
-  bench $N
-  bench $N --trace="$OUT/trace_fsdp"
+  N=(--config=openwebtext_xl "--config.batch_size=$((16 * GPUS))" --config.grad_accum=1 --steps=10)
+  bench "${N[@]}"
+  bench "${N[@]}" --trace="$OUT/trace_fsdp"
 fi
 echo "done: $OUT/bench.jsonl" >&2

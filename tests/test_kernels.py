@@ -88,14 +88,20 @@ def test_splash_attention_applies_on_a_tpu_without_alibi(monkeypatch):
     assert not kernels.splash_applies(tiny(block_size=256))
 
 
-@pytest.mark.parametrize("remat,unroll", [("none", 2), ("save_dots", 1)])
-def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, remat, unroll):
+SHAREDKV_GQA = dict(attention="sharedkv", n_head=4, n_kv_head=2, d_model=64)
+
+
+@pytest.mark.parametrize("remat,unroll,variant", [("none", 2, {}), ("save_dots", 1, SHAREDKV_GQA)],
+                         ids=["mha-unrolled", "sharedkv-gqa-scan"])
+def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, remat, unroll,
+                                                         variant):
     """The model with every fast path kernels.select accepts: the forward against the numpy
     reference, and every gradient (the Pallas kernel's is written by hand) against autodiff of
-    model.py's own functions, with the remat and scan the XL config uses."""
+    model.py's own functions, with the remat and scan the XL config uses (there with SharedKV keys
+    of 2 heads for 4 query heads)."""
     import train
     kernels = every_kernel(monkeypatch)
-    cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll)
+    cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll, **variant)
     fast = kernels.select(cfg)
     assert set(fast) == {"attend", "qk_norm_rope", "gelu"}
     assert "attend, qk_norm_rope, gelu fused" in capsys.readouterr().err
@@ -105,6 +111,7 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     y = jnp.roll(tokens, -1, axis=1)
     want_loss, want = eqx.filter_value_and_grad(train.loss_fn)(plain, tokens, y, cfg)
     one = np.asarray(tokens[0])
+    assert "pallas_call" in str(jax.make_jaxpr(fused)(one))  # the kernel runs, not model.py's
     np.testing.assert_allclose(fused(one), numpy_forward(plain, cfg, one), rtol=1e-4, atol=1e-4)
     got_loss, got = eqx.filter_value_and_grad(train.loss_fn)(fused, tokens, y, cfg)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)

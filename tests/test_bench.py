@@ -66,12 +66,10 @@ def test_bench_trace_prints_the_costliest_ops(tmp_path, devices):
 
 def test_bench_time_to_reports_the_first_evaluation_at_the_target(shakespeare, tmp_path):
     """--time-to trains and reads the run's val losses back (tensorboard's reader): a target above
-    the initial loss ln 128 (the padded vocab) is reached at step 0's evaluation; one below any loss is not."""
+    the initial loss ln 128 (the padded vocab) is reached at step 0's evaluation."""
     args = ["bench.py", *TINY, "--config.max_steps=2", "--config.eval_interval=1",
             "--config.eval_batches=1"]
     reached = json.loads(run([*args, "--time-to=10", f"--rundir={tmp_path / 'a'}"]).stdout)
     assert reached["reached"] and reached["step"] == 0 and 0 < reached["wall_s"]
     assert reached["val_loss"] == pytest.approx(math.log(128), abs=0.1)  # zero readout: uniform
     assert reached["command"].endswith("--time-to=10 --rundir=" + str(tmp_path / "a"))
-    missed = json.loads(run([*args, "--time-to=0.1", f"--rundir={tmp_path / 'b'}"]).stdout)
-    assert not missed["reached"] and missed["wall_s"] is None and missed["best_val_loss"] > 0.1

@@ -37,7 +37,7 @@ def layer_norm_rope_written_out(x, gain, base=10000.0):
     return np.concatenate([z.real, z.imag], axis=-1)
 
 
-@pytest.mark.parametrize("G", [4, 2, 1])
+@pytest.mark.parametrize("G", [2, 1])  # G = H: the whole-model test below
 def test_the_pallas_kernel_is_layer_norm_then_rope(monkeypatch, G):
     """pallas_qk_norm_rope on q (T, H, K) and k (T, G, K), grouped-query and one key head
     included: its forward against numpy, its hand-written backward against autodiff of

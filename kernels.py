@@ -46,8 +46,9 @@ def on_tpu() -> bool:
 
 
 def batch_axes() -> tuple[str, ...] | None:
-    """The mesh axes a batch of sequences is split over where this is traced: those of
-    jax.set_mesh's mesh longer than 1 that no enclosing shard_map has made manual (train.py's data
+    """The mesh axes a batch of sequences is split over where this is traced: those of the mesh in
+    context (train.py's step sets it: jax.sharding.use_abstract_mesh, which works inside a jit too)
+    longer than 1 that no enclosing shard_map has made manual (train.py's data
     parallelism takes "replica"). None without a mesh: one device, or a caller without one."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -93,7 +94,8 @@ def select(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> dict[str, Call
             continue
         reference = getattr(model, path.name)
         arrays, call = batch_on(mesh, cfg, path.example)
-        with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+        in_mesh = jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh else None
+        with in_mesh or contextlib.nullcontext():
             problem = mismatch(path.fn, reference, arrays, call, TOLERANCE[cfg.compute_dtype])
         if problem:
             say(f"kernels: {path.what} set aside, model.{path.name} runs instead: {problem}")

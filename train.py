@@ -179,7 +179,7 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
 
     def step(model: GPT, opt_state, x_GBT, y_GBT):
         params = eqx.filter(model, eqx.is_array)
-        with jax.set_mesh(mesh):  # the kernels' shard_map and batch_axes read it (kernels.py)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # kernels.per_device reads it
             params, opt_state, metrics = jitted(params, opt_state, x_GBT, y_GBT)
         if block:
             jax.block_until_ready(metrics)
@@ -200,7 +200,7 @@ def evaluate(model: GPT, cfg: Config, train_tokens, val_tokens, mesh) -> dict[st
         total = 0.0
         for i in range(cfg.eval_batches):
             x, y = data.global_batch(tokens, cfg.seed, stream, i, sharding, shape)
-            with jax.set_mesh(mesh):  # as the step's
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the step's
                 total += eval_loss(model, x, y, cfg)
         out[f"{name}_loss"] = float(total) / cfg.eval_batches  # one host sync per split
     return out

@@ -9,16 +9,20 @@ rate as a fraction of that measured peak. --torch also times a straightforward e
 version of the same model in the same process, in blocks that alternate with the JAX step's, and
 reports the medians. --trace=DIR also traces 3 steps with jax.profiler into DIR (tensorboard's
 profile tab, ui.perfetto.dev) and prints to stderr where the time went. --checkpoint=DIR also
-saves the state as training does and times the save and the record of what it wrote.
+saves the state as training does and times the save and the record of what it wrote. --time-to=LOSS
+instead trains the config (into --rundir, default a new temporary directory) and reports the wall
+time to the first evaluation with a val loss at most LOSS. Lines hold the commit and the command.
 Split a CPU into N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 import argparse
 import collections
+import contextlib
 import gzip
 import importlib.util
 import json
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -148,12 +152,46 @@ def time_torch(step, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def kernels_in(gpt) -> set[str]:
-    """The model.py functions that run as kernels.py's fast paths here (kernels.select chose)."""
+def kernels_in(gpt) -> dict[str, str]:
+    """{model.py function: the kernels.py fast path that kernels.select chose for it here}."""
+    import kernels
+
     attn, mlp = gpt.blocks.attn, gpt.blocks.mlp
     fast = {"attend": attn.fast_attend, "qk_norm_rope": attn.fast_qk_norm_rope,
             "gelu": mlp.fast_gelu}
-    return {name for name, fn in fast.items() if fn}
+    what = {path.fn: path.what for path in kernels.FAST_PATHS}
+    return {name: what.get(fn, "?") for name, fn in fast.items() if fn}
+
+
+def variant(cfg: Config) -> dict:
+    """The architecture options of model.py the run uses."""
+    return {"attention": cfg.attention, "kv_heads": cfg.kv_heads, "position": cfg.position,
+            "connections": cfg.connections}
+
+
+def time_to(cfg: Config, target: float, rundir: str | None) -> dict:
+    """Train cfg; the wall time from the call to the first evaluation with a val loss at most
+    target (compiling, evaluations included), from the run's events by tensorboard's reader."""
+    from etils import epath
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    import jax
+
+    import train
+
+    rundir = rundir or tempfile.mkdtemp(prefix="mugpt-time-to-")
+    start = time.time()
+    with contextlib.redirect_stdout(sys.stderr):  # the run's lines: stdout stays one JSON line
+        train.train(cfg, epath.Path(rundir))
+    events = EventAccumulator(rundir)
+    events.Reload()
+    val = events.Scalars("loss/val")
+    first = next((e for e in val if e.value <= target), None)
+    return {"device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
+            "jax_version": jax.__version__, "target_val_loss": target, "reached": bool(first),
+            "wall_s": round(first.wall_time - start, 1) if first else None,
+            "step": first.step if first else None, "val_loss": first.value if first else None,
+            "best_val_loss": min(e.value for e in val), "max_steps": cfg.max_steps,
+            "eval_interval": cfg.eval_interval, "rundir": rundir, **variant(cfg)}
 
 
 def time_checkpoint(cfg: Config, state: tuple, where: str) -> dict:
@@ -232,7 +270,8 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
         "compile_s": round(first_s - step_s, 2),
         "peak_memory_bytes": memory.get("peak_bytes_in_use"), "compute_dtype": cfg.compute_dtype,
         "remat": cfg.remat, "scan_unroll": cfg.scan_unroll,
-        "kernels": sorted(kernels_in(s.model)),
+        "kernels": sorted(kernels_in(s.model)), "kernel_impls": kernels_in(s.model),
+        **variant(cfg),
     }
     if device.platform == "cpu":
         measured = matmul_peak(cfg.compute_dtype)
@@ -257,6 +296,9 @@ def main() -> None:
     ap.add_argument("--checkpoint", metavar="DIR",
                     help="also save the state as a checkpoint into DIR (a new directory) and time "
                          "it, with the record of its files (written.py) and the check at restore")
+    ap.add_argument("--time-to", type=float, metavar="LOSS",
+                    help="train instead; the wall time to the first val loss <= LOSS")
+    ap.add_argument("--rundir", help="with --time-to: the run directory (default: a new one)")
     args, overrides = ap.parse_known_args()
     try:
         if args.steps < 1:
@@ -266,16 +308,24 @@ def main() -> None:
         cfg = configs.apply_overrides(configs.load(args.config), overrides)
         if args.checkpoint and Path(args.checkpoint).exists():
             raise UsageError(f"--checkpoint={args.checkpoint} exists: name a new directory")
+        if args.torch and variant(cfg) != variant(configs.Config(n_head=cfg.n_head)):
+            raise UsageError("--torch times the plain GPT (mha, rope, residual) only: drop the "
+                             "--config.attention/n_kv_head/position/connections overrides")
         if args.trace:
             try:
                 Path(args.trace).mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
         import train  # after parsing, as launch.py: a typo should not wait for jax to load
+        from launch import git_state
 
-        result = train.explain_out_of_memory(bench)(cfg, args.steps, args.torch, args.trace,
-                                                       args.checkpoint)
-        print(json.dumps({"name": args.config, **result}))
+        if args.time_to is not None:
+            result = time_to(cfg, args.time_to, args.rundir)
+        else:
+            result = train.explain_out_of_memory(bench)(cfg, args.steps, args.torch, args.trace,
+                                                           args.checkpoint)
+        command = " ".join(["python bench.py", *sys.argv[1:]])
+        print(json.dumps({"name": args.config, **result, **git_state(), "command": command}))
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
 

@@ -1,21 +1,23 @@
 """Fused kernels: optional fast paths for named functions of model.py, used only where they match.
 
 A fast path has the signature of the model.py function it stands in for. When a run starts,
-select() runs each one that applies to the run's device and shapes beside model.py's own function
-on one sequence of the run's shapes and dtype, forward and gradient; one that differs (model.py
-was edited, say) is set aside with a printed line, and model.py's function runs. So an edit to
-model.py always runs; the check catches differences larger than the dtype's rounding (TOLERANCE),
-and --config.kernels=false turns every fast path off.
+select() runs each one that applies to the run's device and shapes beside model.py's own function,
+forward and gradient, on a batch of sequences of the run's shapes and dtype split over the run's
+devices as train.py splits its batch; one that differs (model.py was edited, say) is set aside with
+a printed line, and model.py's function runs. So an edit to model.py always runs; the check
+catches differences larger than the dtype's rounding (TOLERANCE), and --config.kernels=false
+turns every fast path off.
 
-- attend: jax.nn.dot_product_attention's cuDNN flash attention (GPU, bfloat16).
+- attend: jax.nn.dot_product_attention's cuDNN flash attention (GPU, bfloat16); on a TPU, JAX's
+  Pallas splash attention (causal; not ALiBi, whose bias it has no input for).
 - gelu: model.gelu whose backward recomputes it, where the layers are unrolled (GPU): XLA otherwise
   keeps GELU's tanh as a second (B, T, F) output of the forward, written and read back.
-- qk_norm_rope: a Pallas kernel for the QK-LayerNorm and RoPE, from the qkv projection straight to
-  the q, k and v that attention takes, in one pass each way where XLA made many over float32
-  intermediates. Lowered through Triton on one GPU (a pallas_call has no sharding rule: under FSDP
-  XLA would gather its operands onto every device); elsewhere it runs in Pallas's interpreter, which
-  is how the tests run it on a CPU.
+- qk_norm_rope: pallas_qk_norm_rope.py's kernel for the QK-LayerNorm and RoPE (GPU).
+
+Several devices: a kernel (a pallas_call, cuDNN's call) runs inside jax.shard_map on each
+device's own sequences (per_device), so 1, 2 or 8 devices run the same kernel on their share.
 """
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -23,20 +25,54 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
+import pallas_qk_norm_rope as pallas
 from configs import Config
 
 # Largest relative error (norm of the difference over the norm of model.py's result) a fast path
 # may show, forward or gradient: a few roundings of the compute dtype.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
-ROWS = 64  # tokens a Pallas program: (64, K) blocks
-EPS = 1e-6  # model.layer_norm's
+SPLASH_BLOCK = 128  # splash attention's default blocks of queries and keys
 
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def on_tpu() -> bool:
+    return jax.default_backend() == "tpu"
+
+
+def batch_axes() -> tuple[str, ...] | None:
+    """The mesh axes a batch of sequences is split over where this is traced: those of the mesh in
+    context (train.py's step sets it: jax.sharding.use_abstract_mesh, which works inside a jit too)
+    longer than 1 that no enclosing shard_map has made manual (train.py's data
+    parallelism takes "replica"). None without a mesh: one device, or a caller without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return None
+    axes = tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                 if kind != AxisType.Manual and mesh.shape[name] > 1)
+    return axes or None
+
+
+def per_device(kernel: Callable, *arrays):
+    """kernel(*arrays) on each device's own sequences. The model sees one sequence and train.py's
+    jax.vmap adds the batch with spmd_axis_name=batch_axes(): a shard_map inside that vmap gets
+    the batch axis split over those mesh axes, so each device runs the kernel (vmapped) on its
+    own share. This rather than a sharding rule (custom_partitioning) per kernel: one wrapper
+    for every kernel, and XLA's partitioner never sees a kernel it would gather operands for (a
+    pallas_call has no rule: under FSDP every device would compute the whole batch). Unbatched
+    arrays (the gains, the rope tables) are whole on every device, and shard_map's transpose sums
+    their gradients over the devices. check_vma=False: pallas_call's outputs and jax's attention
+    carry no varying-axes types."""
+    axes = batch_axes()
+    if axes is None:
+        return kernel(*arrays)
+    return jax.shard_map(kernel, in_specs=P(), out_specs=P(), axis_names=set(axes),
+                         check_vma=False)(*arrays)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,15 +85,18 @@ class FastPath:
     example: Callable[[Config, jax.Array], tuple]
 
 
-def select(cfg: Config) -> dict[str, Callable]:
-    """{model.py function name: its fast path} for the fast paths that apply and match."""
+def select(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> dict[str, Callable]:
+    """{model.py function name: its fast path} for the fast paths that apply and match, checked
+    on the run's mesh (None: one device)."""
     chosen = {}
     for path in FAST_PATHS if cfg.kernels else ():
         if not path.applies(cfg):
             continue
         reference = getattr(model, path.name)
-        problem = mismatch(path.fn, reference, *path.example(cfg, jax.random.key(0)),
-                           TOLERANCE[cfg.compute_dtype])
+        arrays, call = batch_on(mesh, cfg, path.example)
+        in_mesh = jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh else None
+        with in_mesh or contextlib.nullcontext():
+            problem = mismatch(path.fn, reference, arrays, call, TOLERANCE[cfg.compute_dtype])
         if problem:
             say(f"kernels: {path.what} set aside, model.{path.name} runs instead: {problem}")
         else:
@@ -65,6 +104,22 @@ def select(cfg: Config) -> dict[str, Callable]:
     if chosen:
         say(f"kernels: {', '.join(chosen)} fused, checked against model.py's functions")
     return chosen
+
+
+def batch_on(mesh: jax.sharding.Mesh | None, cfg: Config, example: Callable) -> tuple:
+    """example's inputs and call as train.py runs them on mesh: a batch of one sequence per device,
+    split over them, under jax.vmap with batch_axes()."""
+    if mesh is None or mesh.size == 1:
+        return example(cfg, jax.random.key(0))
+    examples = [example(cfg, key) for key in jax.random.split(jax.random.key(0), mesh.size)]
+    arrays = jax.tree.map(lambda *a: jnp.stack(a), *(arrays for arrays, _ in examples))
+    arrays = jax.device_put(arrays, NamedSharding(mesh, P(mesh.axis_names)))
+    call = examples[0][1]
+
+    def batched_call(fn, *arrays):
+        return jax.vmap(lambda *a: call(fn, *a), spmd_axis_name=batch_axes())(*arrays)
+
+    return arrays, batched_call
 
 
 def say(line: str) -> None:
@@ -117,14 +172,48 @@ def cudnn_attend(q_THK, k_SGK, v_SGK, scale: float, mask_TS=None, bias_HTS=None)
     if mask_TS is not None:
         return model.attend(q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
     bias = None if bias_HTS is None else bias_HTS.astype(q_THK.dtype)
-    return jax.nn.dot_product_attention(q_THK, k_SGK, v_SGK, bias, scale=scale, is_causal=True,
-                                        implementation="cudnn" if on_gpu() else "xla")
+    kernel = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True,
+                               implementation="cudnn" if on_gpu() else "xla")
+    return per_device(kernel, q_THK, k_SGK, v_SGK, bias)
 
 
 def cudnn_applies(cfg: Config) -> bool:
     """cuDNN's flash attention takes bfloat16 and head dims that are multiples of 8 up to 128."""
     K = cfg.head_dim
     return on_gpu() and cfg.compute_dtype == "bfloat16" and K % 8 == 0 and K <= 128
+
+
+def splash_attend(q_THK, k_SGK, v_SGK, scale: float, mask_TS=None, bias_HTS=None):
+    """model.attend by JAX's Pallas splash attention for TPUs (in its interpreter elsewhere, which
+    is how the tests check it), causal, grouped-query heads included (its MHA kernel reads key
+    head h // (H / G)). It has no input for a bias (ALiBi) nor sample.py's mask: model.attend
+    takes those. The scale multiplies q: splash computes q.k unscaled."""
+    (T, H, _), S = q_THK.shape, k_SGK.shape[0]
+    if mask_TS is not None or bias_HTS is not None or S != T:
+        return model.attend(q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
+    splash = splash_kernel(T, H, interpret=not on_tpu())
+    heads_first = lambda x: jnp.swapaxes(x, 0, 1)
+    kernel = lambda q, k, v: heads_first(splash(*map(heads_first, (q * scale, k, v))))
+    return per_device(kernel, q_THK, k_SGK, v_SGK)
+
+
+@functools.cache
+def splash_kernel(T: int, H: int, interpret: bool):
+    """Splash attention's kernel for H heads of T causal tokens, on one device (a shard_map
+    around it splits the batch)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as kernel, splash_attention_mask as mask)
+    causal = mask.MultiHeadMask([mask.CausalMask((T, T))] * H)
+    b = min(SPLASH_BLOCK, T)
+    blocks = kernel.BlockSizes(b, b, b, b, b, b, b, b)
+    return kernel.make_splash_mha(causal, block_sizes=blocks, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
+
+
+def splash_applies(cfg: Config) -> bool:
+    """On a TPU, without ALiBi (no bias input), and whole blocks of tokens."""
+    T = cfg.block_size
+    return on_tpu() and cfg.position == "rope" and T % min(SPLASH_BLOCK, T) == 0
 
 
 def attend_example(cfg: Config, key: jax.Array) -> tuple:
@@ -139,26 +228,18 @@ def attend_example(cfg: Config, key: jax.Array) -> tuple:
 
 
 def fused_qk_norm_rope(q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope):
-    """model.qk_norm_rope by the Pallas kernel below, where queries and keys share positions and
-    head counts and the shapes fit its blocks (sample.py's decoding steps do not: model.py's
-    function takes those)."""
-    (T, H, K), (S, G, _) = q_THK.shape, k_TGK.shape
-    if q_rope is not k_rope or (S, G) != (T, H) or not pallas_fits(T, K):
+    """model.qk_norm_rope by pallas_qk_norm_rope.py's kernel, where queries and keys share
+    positions and rotation tables and the shapes fit its blocks (ALiBi has no tables; sample.py's
+    decoding steps differ: model.py's function takes those)."""
+    (T, _, K), S = q_THK.shape, k_TGK.shape[0]
+    if q_rope is None or q_rope is not k_rope or S != T or not pallas.fits(T, K):
         return model.qk_norm_rope(q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope)
-    # the kernel's layout is the (T, 3, H, K) projection: q, k and a third group it copies
-    qkv_TC = jnp.concatenate([q_THK, k_TGK, k_TGK], axis=1).reshape(T, 3 * H * K)
-    return pallas_qk_norm_rope(qkv_TC, q_gain_K, k_gain_K, *q_rope, H)[:2]
-
-
-def pallas_fits(T: int, K: int) -> bool:
-    """Triton's power-of-two blocks: the head dim, and whole blocks of ROWS tokens."""
-    return K >= 16 and K & (K - 1) == 0 and T % ROWS == 0
+    return per_device(pallas.qk_norm_rope, q_THK, k_TGK, q_gain_K, k_gain_K, *q_rope)
 
 
 def qk_norm_rope_applies(cfg: Config) -> bool:
-    same_heads, rope = cfg.kv_heads == cfg.n_head, cfg.position == "rope"
-    fits = pallas_fits(cfg.block_size, cfg.head_dim)
-    return on_gpu() and jax.device_count() == 1 and same_heads and rope and fits
+    fits = pallas.fits(cfg.block_size, cfg.head_dim)
+    return on_gpu() and cfg.position == "rope" and fits
 
 
 def qk_norm_rope_example(cfg: Config, key: jax.Array) -> tuple:
@@ -196,138 +277,8 @@ def gelu_example(cfg: Config, key: jax.Array) -> tuple:
 
 FAST_PATHS = [
     FastPath("attend", "cuDNN flash attention", cudnn_attend, cudnn_applies, attend_example),
+    FastPath("attend", "splash attention", splash_attend, splash_applies, attend_example),
     FastPath("qk_norm_rope", "the Pallas QK-norm + RoPE kernel", fused_qk_norm_rope,
              qk_norm_rope_applies, qk_norm_rope_example),
     FastPath("gelu", "the recomputing GELU", recomputing_gelu, gelu_applies, gelu_example),
 ]
-
-
-# The Pallas kernel: forward and backward, each one pass over (ROWS, K) blocks.
-
-def _halves(ref):
-    """A (rows, K) block read as its two halves in float32: RoPE pairs dim i with dim i + K/2,
-    and Triton has no slicing of loaded values, so the halves are loaded apart."""
-    half = ref.shape[1] // 2
-    return ref[:, :half].astype(jnp.float32), ref[:, half:].astype(jnp.float32)
-
-
-def _row_mean(a1, a2):
-    """The mean over each row of a block held as its two halves."""
-    total = jnp.sum(a1, 1, keepdims=True) + jnp.sum(a2, 1, keepdims=True)
-    return total / (a1.shape[1] + a2.shape[1])
-
-
-def _normalized(x_ref):
-    """(x - mean) / sqrt(var + eps) over each row (one token's head), as two halves, and
-    1 / sqrt(var + eps)."""
-    x1, x2 = _halves(x_ref)
-    mean = _row_mean(x1, x2)
-    x1, x2 = x1 - mean, x2 - mean
-    r = jax.lax.rsqrt(_row_mean(x1 * x1, x2 * x2) + EPS)
-    return x1 * r, x2 * r, r
-
-
-def _store(ref, y1, y2):
-    half = ref.shape[1] // 2
-    ref[:, :half], ref[:, half:] = y1.astype(ref.dtype), y2.astype(ref.dtype)
-
-
-def _fwd_kernel(q_ref, k_ref, v_ref, gq_ref, gk_ref, cos_ref, sin_ref, qo_ref, ko_ref, vo_ref):
-    cos, sin = cos_ref[...], sin_ref[...]
-    for x_ref, g_ref, o_ref in ((q_ref, gq_ref, qo_ref), (k_ref, gk_ref, ko_ref)):
-        n1, n2, _ = _normalized(x_ref)
-        g1, g2 = _halves(g_ref)
-        a1, a2 = n1 * g1, n2 * g2  # LayerNorm's output, then RoPE's rotation of the pair (a1, a2)
-        _store(o_ref, a1 * cos - a2 * sin, a2 * cos + a1 * sin)
-    vo_ref[...] = v_ref[...]  # v copied here rather than by a separate slice of the qkv output
-
-
-def _bwd_kernel(x_ref, g_ref, cos_ref, sin_ref, dq_ref, dk_ref, dv_ref, dx_ref, dg_ref):
-    """One (ROWS, K) block of the qkv gradient: the grid's second axis runs over q's, k's and v's
-    heads, so the gradient is written in qkv's own layout and needs no concatenate (a pass of its
-    own, which XLA also fused into slower Triton matmuls)."""
-    group = pl.program_id(1) // (pl.num_programs(1) // 3)  # 0: q, 1: k, 2: v
-
-    def norm_rope_grad(dy_ref):
-        n1, n2, r = _normalized(x_ref)
-        g1, g2 = _halves(g_ref)
-        dy1, dy2 = _halves(dy_ref)
-        cos, sin = cos_ref[...], sin_ref[...]
-        da1, da2 = dy1 * cos + dy2 * sin, dy2 * cos - dy1 * sin  # RoPE's transpose: rotate back
-        _store(dg_ref, jnp.sum(da1 * n1, 0, keepdims=True), jnp.sum(da2 * n2, 0, keepdims=True))
-        dn1, dn2 = da1 * g1, da2 * g2
-        # LayerNorm's backward: dx = r * (dn - mean(dn) - n * mean(dn * n)) over the row
-        mean_dn, mean_dnn = _row_mean(dn1, dn2), _row_mean(dn1 * n1, dn2 * n2)
-        _store(dx_ref, r * (dn1 - mean_dn - n1 * mean_dnn), r * (dn2 - mean_dn - n2 * mean_dnn))
-
-    pl.when(group == 0)(lambda: norm_rope_grad(dq_ref))  # a ref is read only where a branch does
-    pl.when(group == 1)(lambda: norm_rope_grad(dk_ref))
-
-    @pl.when(group == 2)
-    def _():
-        dx_ref[...] = dv_ref[...]
-        dg_ref[...] = jnp.zeros(dg_ref.shape, dg_ref.dtype)
-
-
-def _blocks(K: int, *columns: int):
-    """BlockSpecs of (ROWS, K) blocks of a (T, C) array, at head h of column group c
-    (C = groups x H x K)."""
-    return [pl.BlockSpec((ROWS, K), lambda i, h, c=c: (i, c + h)) for c in columns]
-
-
-def _shared(K: int):
-    """BlockSpecs of the rotation tables (the block's rows) and of a gain (all of it), alike for
-    every head."""
-    table = pl.BlockSpec((ROWS, K // 2), lambda i, h: (i, 0))
-    return table, pl.BlockSpec((1, K), lambda i, h: (0, 0))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def pallas_qk_norm_rope(qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2, H: int):
-    """q_THK, k_THK, v_THK from one sequence's qkv projection (T, 3 * H * K: model.Attention's
-    (T, 3, H, K) flattened):
-    q and k = rope(layer_norm(., gain)), v as is. cos, sin: (T, K / 2) float32 rotation tables."""
-    return _forward(qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2, H)
-
-
-def _forward(qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2, H):
-    T, K = qkv_TC.shape[0], qkv_TC.shape[1] // (3 * H)
-    table, gain = _shared(K)
-    out = jax.ShapeDtypeStruct((T, H * K), qkv_TC.dtype)
-    q, k, v = pl.pallas_call(
-        _fwd_kernel, grid=(T // ROWS, H), out_shape=(out, out, out), interpret=not on_gpu(),
-        in_specs=[*_blocks(K, 0, H, 2 * H), gain, gain, table, table],
-        out_specs=_blocks(K, 0, 0, 0),
-    )(qkv_TC, qkv_TC, qkv_TC, q_gain_K[None], k_gain_K[None], cos_TK2, sin_TK2)
-    return tuple(a.reshape(T, H, K) for a in (q, k, v))
-
-
-def _fwd(qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2, H):
-    inputs = (qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2)
-    return _forward(*inputs, H), inputs
-
-
-def _bwd(H, residuals, cotangents):
-    qkv_TC, q_gain_K, k_gain_K, cos_TK2, sin_TK2 = residuals
-    (T, C), K = qkv_TC.shape, qkv_TC.shape[1] // (3 * H)
-    table, _ = _shared(K)
-    block = pl.BlockSpec((ROWS, K), lambda i, j: (i, j))  # j: the column block, of 3 * H
-    head = pl.BlockSpec((ROWS, K), lambda i, j: (i, j % H))  # the same head's block of dq, dk or dv
-    gain = pl.BlockSpec((1, K), lambda i, j: (jnp.minimum(j // H, 1), 0))  # q's gain, or k's
-    dqkv_TC, dg = pl.pallas_call(
-        _bwd_kernel, grid=(T // ROWS, 3 * H), interpret=not on_gpu(),
-        out_shape=(jax.ShapeDtypeStruct((T, C), qkv_TC.dtype),
-                   jax.ShapeDtypeStruct((T // ROWS, C), jnp.float32)),
-        in_specs=[block, gain, table, table, head, head, head],
-        out_specs=[block, pl.BlockSpec((1, K), lambda i, j: (i, j))],
-    )(qkv_TC, jnp.stack([q_gain_K, k_gain_K]), cos_TK2, sin_TK2,
-      *(d.reshape(T, H * K).astype(qkv_TC.dtype) for d in cotangents))
-    dg_2K = dg.reshape(-1, 3, H, K)[:, :2].sum((0, 2))  # gain gradients: summed over blocks, heads
-    dq_gain, dk_gain = dg_2K[0].astype(q_gain_K.dtype), dg_2K[1].astype(k_gain_K.dtype)
-    # the rotation tables are functions of the positions: constants, no gradient to give
-    return dqkv_TC, dq_gain, dk_gain, 0 * cos_TK2, 0 * sin_TK2
-
-
-pallas_qk_norm_rope.defvjp(_fwd, _bwd)
-
-

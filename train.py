@@ -52,8 +52,7 @@ def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
 
 
 def lr_schedule(cfg: Config):
-    """Linear warmup from learning_rate / warmup_steps to learning_rate, then cosine decay to
-    min_lr at max_steps."""
+    """Linear warmup to learning_rate in warmup_steps, then cosine decay to min_lr by max_steps."""
     def lr(step):
         step = jnp.asarray(step, jnp.float32)
         warm = cfg.learning_rate * (step + 1) / max(cfg.warmup_steps, 1)
@@ -109,7 +108,7 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> jax.Ar
     and the loss a group of sequences at a time, recomputed in the backward pass (jax.checkpoint),
     so the float32 (B, T, V) logits never exist whole."""
     chunks = cfg.loss_chunks
-    h_BTD, _ = jax.vmap(model.hidden)(x_BT)
+    h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=kernels.batch_axes())(x_BT)
 
     def chunk_loss(h_btD, y_bt):
         logits_btV = jax.vmap(model.logits)(h_btD)
@@ -182,7 +181,8 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
 
     def step(model: GPT, opt_state, x_GBT, y_GBT):
         params = eqx.filter(model, eqx.is_array)
-        params, opt_state, metrics = jitted(params, opt_state, x_GBT, y_GBT)
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # kernels.per_device reads it
+            params, opt_state, metrics = jitted(params, opt_state, x_GBT, y_GBT)
         if block:
             jax.block_until_ready(metrics)
         return eqx.combine(params, static), opt_state, metrics
@@ -202,7 +202,8 @@ def evaluate(model: GPT, cfg: Config, train_tokens, val_tokens, mesh) -> dict[st
         total = 0.0
         for i in range(cfg.eval_batches):
             x, y = data.global_batch(tokens, cfg.seed, stream, i, sharding, shape)
-            total += eval_loss(model, x, y, cfg)
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the step's
+                total += eval_loss(model, x, y, cfg)
         out[f"{name}_loss"] = float(total) / cfg.eval_batches  # one host sync per split
     return out
 
@@ -217,7 +218,7 @@ class Setup(NamedTuple):
 
 def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     """The initial model and optimizer state, sharded over the mesh, and the train step."""
-    model = init_gpt(cfg, jax.random.key(cfg.seed), kernels.select(cfg))
+    model = init_gpt(cfg, jax.random.key(cfg.seed), kernels.select(cfg, mesh))
     specs = partition_specs(model, cfg)
     model_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
     model = eqx.filter_shard(model, model_sharding)
@@ -233,8 +234,7 @@ def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
 
 
 def explain_out_of_memory(fn: Callable) -> Callable:
-    """fn, with XLA's out-of-memory error (a RESOURCE_EXHAUSTED traceback from inside JAX) turned
-    into a RunError, one line that says what to change."""
+    """fn, with XLA's out-of-memory error (RESOURCE_EXHAUSTED) a RunError saying what to change."""
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
         try:

@@ -24,17 +24,42 @@ cfg = configs.apply_overrides(cfg, [f"--config.{a}" for a in sys.argv[4:] if "="
 if "kernels" in sys.argv[4:]:
     import dataclasses
     import kernels
-    kernels.ROWS = 8
-    kernels.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in kernels.FAST_PATHS]
-    assert set(kernels.select(cfg)) == {"attend", "qk_norm_rope", "gelu"}
+    import pallas_qk_norm_rope
+    pallas_qk_norm_rope.ROWS = 8
+    kernels.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in kernels.FAST_PATHS
+                          if p.fn is not kernels.splash_attend]  # TPU's attention: test_kernels
 assert jax.device_count() == n
 mesh = train.make_mesh(cfg)
 s = train.setup(cfg, mesh)
+if sys.argv[4:] == ["kernels"]:
+    assert s.model.blocks.attn.fast_qk_norm_rope is kernels.fused_qk_norm_rope
+    assert s.model.blocks.mlp.fast_gelu is kernels.recomputing_gelu
 rng = np.random.default_rng(0)
 x = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 y = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 batch = jax.device_put((x, y), NamedSharding(mesh, train.BATCH_SPEC))
-grads = eqx.filter_jit(eqx.filter_grad(train.loss_fn))(s.model, batch[0][0], batch[1][0], cfg)
+grad_fn = eqx.filter_grad(lambda model, x, y: train.loss_fn(model, x, y, cfg))
+with jax.set_mesh(mesh):  # as train.py's step: the kernels run per device (kernels.per_device)
+    grads = eqx.filter_jit(grad_fn)(s.model, batch[0][0], batch[1][0])
+    jaxpr = eqx.filter_make_jaxpr(grad_fn)(s.model, batch[0][0], batch[1][0])[0]
+
+
+def pallas_calls(jaxpr, per_device=False):
+    """Whether each pallas_call in jaxpr (nested ones too) sits in a shard_map over fsdp that
+    splits an operand (the batch) over fsdp: each device's own sequences, not a gathered batch."""
+    for eqn in jaxpr.eqns:
+        splits = any("fsdp" in str(spec) for spec in eqn.params.get("in_specs", ()))
+        inner = per_device or "fsdp" in eqn.params.get("newly_manual_axes", ()) and splits
+        yield from [per_device] if eqn.primitive.name == "pallas_call" else []
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                    yield from pallas_calls(getattr(sub, "jaxpr", sub), inner)
+
+
+if sys.argv[4:] == ["kernels"]:  # forward and backward, each one per device (never gathered)
+    where = list(pallas_calls(jaxpr.jaxpr))
+    assert len(where) >= 2 and all(where) == (mesh.shape["fsdp"] > 1), where
 fsdp = mesh.shape["fsdp"]
 table = jax.tree.leaves(policy_table(s.model, cfg), is_leaf=lambda p: isinstance(p, Policy))
 for param, policy in zip(jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), table):

@@ -1,5 +1,6 @@
 """bench.py prints one valid JSON line with every field, for a tiny config."""
 import json
+import math
 import re
 
 import pytest
@@ -61,3 +62,14 @@ def test_bench_trace_prints_the_costliest_ops(tmp_path, devices):
     assert [ms for ms, _ in ops] == sorted((ms for ms, _ in ops), reverse=True) and ops[-1][0] >= 0
     assert any(name.startswith("all-reduce") for _, name in ops) == (devices == 2)
     assert list(tmp_path.rglob("*.xplane.pb")) and list(tmp_path.rglob("*.trace.json.gz"))
+
+
+def test_bench_time_to_reports_the_first_evaluation_at_the_target(shakespeare, tmp_path):
+    """--time-to trains and reads the run's val losses back (tensorboard's reader): a target above
+    the initial loss ln 128 (the padded vocab) is reached at step 0's evaluation."""
+    args = ["bench.py", *TINY, "--config.max_steps=2", "--config.eval_interval=1",
+            "--config.eval_batches=1"]
+    reached = json.loads(run([*args, "--time-to=10", f"--rundir={tmp_path / 'a'}"]).stdout)
+    assert reached["reached"] and reached["step"] == 0 and 0 < reached["wall_s"]
+    assert reached["val_loss"] == pytest.approx(math.log(128), abs=0.1)  # zero readout: uniform
+    assert reached["command"].endswith("--time-to=10 --rundir=" + str(tmp_path / "a"))

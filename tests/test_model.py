@@ -248,65 +248,6 @@ def test_attention_implementations_match_a_naive_reference():
             np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2)
 
 
-def every_kernel(monkeypatch):
-    """kernels.FAST_PATHS as if on one GPU: the Pallas kernel in its interpreter (8-token blocks, so
-    a sequence spans two), attention by jax.nn.dot_product_attention's XLA version."""
-    import kernels
-    monkeypatch.setattr(kernels, "ROWS", 8)
-    paths = [dataclasses.replace(p, applies=lambda cfg: True) for p in kernels.FAST_PATHS]
-    monkeypatch.setattr(kernels, "FAST_PATHS", paths)
-    return kernels
-
-
-@pytest.mark.parametrize("remat,unroll", [("none", 2), ("save_dots", 1)])
-def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, remat, unroll):
-    """The model with every fast path kernels.select accepts: the forward against the numpy
-    reference, and every gradient (the Pallas kernel's is written by hand) against autodiff of
-    model.py's own functions, with the remat and scan the XL config uses."""
-    import train
-    kernels = every_kernel(monkeypatch)
-    cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll)
-    fast = kernels.select(cfg)
-    assert set(fast) == {"attend", "qk_norm_rope", "gelu"}
-    assert "attend, qk_norm_rope, gelu fused" in capsys.readouterr().err
-    plain, fused = random_gpt(cfg), random_gpt(cfg, fast=fast)  # the same arrays
-    assert fused.blocks.attn.fast_qk_norm_rope is fast["qk_norm_rope"]
-    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
-    y = jnp.roll(tokens, -1, axis=1)
-    want_loss, want = eqx.filter_value_and_grad(train.loss_fn)(plain, tokens, y, cfg)
-    one = np.asarray(tokens[0])
-    np.testing.assert_allclose(fused(one), numpy_forward(plain, cfg, one), rtol=1e-4, atol=1e-4)
-    got_loss, got = eqx.filter_value_and_grad(train.loss_fn)(fused, tokens, y, cfg)
-    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
-    named = lambda g: jax.tree_util.tree_flatten_with_path(eqx.filter(g, eqx.is_array))[0]
-    for (path, a), (_, b) in zip(named(want), named(got), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=params.param_name(path))
-
-
-def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
-    """The self-check against an edited reference: RoPE's rotation turned the other way (a real
-    edit a kernel cannot know of) and the attention's logits doubled. Each fast path standing in
-    for an edited function is set aside with one line, and the model runs the edit."""
-    kernels = every_kernel(monkeypatch)
-    cfg = tiny()
-    plain_rope, plain_attend = M.rope, M.attend
-    monkeypatch.setattr(M, "rope", lambda x, cos, sin: plain_rope(x, cos, -sin))
-    assert set(kernels.select(cfg)) == {"attend", "gelu"}
-    line = capsys.readouterr().err.splitlines()[0]
-    assert line.startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, model.qk_norm_rope "
-                           "runs instead: its output differs by ")
-    monkeypatch.setattr(M, "attend", lambda q, k, v, scale, mask=None, bias=None:
-                        plain_attend(q, k, v, 2 * scale, mask, bias))
-    assert set(kernels.select(cfg)) == {"gelu"}
-    assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().err
-    assert kernels.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
-    assert capsys.readouterr().err == ""
-    # A signature the kernel cannot be called like is set aside too, not a crash
-    monkeypatch.setattr(M, "attend", lambda q, k, v: plain_attend(q, k, v, 1.0))
-    assert "attend" not in kernels.select(cfg)
-    assert "model.py's function does not take the kernel's inputs" in capsys.readouterr().err
-
-
 def test_a_parameter_without_a_policy_row_stops_launch_before_the_run_directory(shakespeare,
                                                                                 tmp_path):
     """The mistake of adding a parameter (here: forgetting mlp.up's row) is one line naming it,
@@ -324,19 +265,3 @@ def test_a_parameter_without_a_policy_row_stops_launch_before_the_run_directory(
                                 "blocks.mlp.up (add each one's init std, LR multiplier, decay "
                                 "and sharding)")
     assert not (tmp_path / "run").exists()
-
-
-def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys):
-    """kernels.recomputing_gelu runs model.gelu whatever it says, forward and backward: with GELU
-    edited to its exact (erf) form, the check passes and the kernel computes the edit, values and
-    derivative against the erf GELU written out in numpy."""
-    kernels = every_kernel(monkeypatch)
-    monkeypatch.setattr(M, "gelu", lambda x: jax.nn.gelu(x, approximate=False))
-    assert "gelu" in kernels.select(tiny())
-    x = np.linspace(-4, 4, 101)
-    cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
-    pdf = np.exp(-x**2 / 2) / math.sqrt(2 * math.pi)
-    x32 = x.astype(np.float32)
-    np.testing.assert_allclose(kernels.recomputing_gelu(x32), x * cdf, rtol=1e-5, atol=1e-6)
-    grad = jax.grad(lambda x: jnp.sum(kernels.recomputing_gelu(x)))(x32)
-    np.testing.assert_allclose(grad, cdf + x * pdf, rtol=1e-4, atol=1e-5)

@@ -7,9 +7,10 @@ file, hf/modeling_mugpt.py, copied beside it), and the tokenizer's files, so tha
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
 loads it and .generate() runs with a KV cache. The muP/CompleteP multipliers are carried in
-config.json (not folded into the weights: that would untie tied embeddings). The model's padded
-vocabulary rows are not exported: the logits are the tokenizer's vocabulary, so generate never
-emits a padding id. Any checkpoint (sharded over N devices or not) is read on one CPU device.
+config.json (not folded into the weights: that would untie tied embeddings), and so are the
+architecture variants (docs/variants.md, any combination). The model's padded vocabulary rows
+are not exported: the logits are the tokenizer's vocabulary, so generate never emits a padding
+id. Any checkpoint (sharded over N devices or not) is read on one CPU device.
 Needs requirements-export.txt (torch, transformers, safetensors)."""
 import argparse
 import shutil

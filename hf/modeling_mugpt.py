@@ -70,7 +70,8 @@ class Attention(nn.Module):
         self.heads = [H, G] if self.shared_kv else [H, G, G]
         self.qkv = nn.Linear(D, sum(self.heads) * self.K, bias=False)
         self.out = nn.Linear(H * self.K, D, bias=False)
-        self.q_norm, self.k_norm = nn.Parameter(torch.ones(self.K)), nn.Parameter(torch.ones(self.K))
+        self.q_norm = nn.Parameter(torch.ones(self.K))
+        self.k_norm = nn.Parameter(torch.ones(self.K))
         self.scale = cfg.attn_scale
         self.rope_base = cfg.rope_base if cfg.position == "rope" else None  # None: ALiBi
 

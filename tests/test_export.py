@@ -34,6 +34,9 @@ RUNS = {
                   "--config.alpha_in=1.5", "--config.max_steps=10"], {}),
     # 4 devices: every matrix sharded 4 ways in the checkpoint
     "fsdp4": (["--config.max_steps=10"], {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}),
+    # every variant at once, through launch.py's config.json and the checkpoint as export.py reads them
+    "variants": (["--config.attention=sharedkv", "--config.n_kv_head=1", "--config.position=alibi",
+                  "--config.connections=mudd", "--config.max_steps=10"], {}),
 }
 
 
@@ -153,7 +156,8 @@ def test_variant_pytorch_logits_equal_jax_logits(name, tmp_path):
     with torch.no_grad():
         got_TV = hf(torch.tensor([ids])).logits[0].numpy()
     diff = np.abs(got_TV - want_TV).max()
-    print(f"{name}: max |PyTorch - JAX| logit = {diff:.3g} (logits up to {np.abs(want_TV).max():.3g})")
+    print(f"{name}: max |PyTorch - JAX| logit = {diff:.3g} "
+          f"(logits up to {np.abs(want_TV).max():.3g})")
     assert diff <= 1e-4
     assert np.abs(want_TV).max() > 0.1
 
@@ -173,3 +177,18 @@ def test_variant_greedy_generate_equals_sample_py(name, tmp_path):
                           use_cache=True, attention_mask=torch.ones(1, len(prompt), dtype=int))
     assert len(set(want)) > 2  # not one token repeated
     assert got[0, len(prompt):].tolist() == want
+
+
+@pytest.mark.parametrize("name", ["all", "gqa"])
+def test_left_padded_batch_generates_as_each_prompt_alone(name, tmp_path):
+    """A batch of prompts of two lengths, left-padded as generate pads them: RoPE's positions come
+    from position_ids and ALiBi's distances from cache indices, so each row decodes as alone."""
+    _, cfg, hf = exported_variant(name, tmp_path)
+    prompts, n = [[5, 17, 3, 42], [9, 8]], 8
+    with torch.no_grad():
+        alone = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, -n:]
+                 for p in prompts]
+        ids = torch.tensor([prompts[0], [0, 0, *prompts[1]]])
+        mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+        batch = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)[:, -n:]
+    assert [b.tolist() for b in batch] == [a.tolist() for a in alone]

@@ -90,6 +90,7 @@ class Attention(nn.Module):
     def forward(self, xs_BTD, pos_BT, index_T, mask_BTS, cache):
         B, T, _ = xs_BTD[0].shape
         q, k, v = self.project(xs_BTD)  # (B, heads, T, K)
+        # SharedKV's keys are its values QK-LayerNormed and rotated; the values stay unnormalized
         q, k = layer_norm(q, self.q_norm), layer_norm(k, self.k_norm)
         if self.rope_base is not None:
             q, k = rope(q, pos_BT, self.rope_base), rope(k, pos_BT, self.rope_base)

@@ -7,9 +7,10 @@ file, hf/modeling_mugpt.py, copied beside it), and the tokenizer's files, so tha
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
 
 loads it and .generate() runs with a KV cache. The muP/CompleteP multipliers are carried in
-config.json (not folded into the weights: that would untie tied embeddings). The model's padded
-vocabulary rows are not exported: the logits are the tokenizer's vocabulary, so generate never
-emits a padding id. Any checkpoint (sharded over N devices or not) is read on one CPU device.
+config.json (not folded into the weights: that would untie tied embeddings), and so are the
+architecture variants (docs/variants.md, any combination). The model's padded vocabulary rows
+are not exported: the logits are the tokenizer's vocabulary, so generate never emits a padding
+id. Any checkpoint (sharded over N devices or not) is read on one CPU device.
 Needs requirements-export.txt (torch, transformers, safetensors)."""
 import argparse
 import shutil
@@ -25,30 +26,30 @@ import tokenization
 from configs import Config, UsageError
 
 ROOT = Path(__file__).resolve().parent
-# Config fields of the architecture variants and their baseline values: only the baseline is
-# exported (getattr: the fields may not exist in this version of configs/)
-BASELINE = {"attention": "mha", "connections": "residual", "position": "rope"}
+# The Config fields of the architecture variants (docs/variants.md) and the values
+# hf/modeling_mugpt.py implements: a fork that adds a value gets a one-line refusal, not a model
+# that silently computes something else
+SUPPORTED = {"attention": ("mha", "sharedkv"), "position": ("rope", "alibi"),
+             "connections": ("residual", "mudd")}
 
 
 def check_exportable(cfg: Config) -> None:
-    for field, baseline in BASELINE.items():
-        if getattr(cfg, field, baseline) != baseline:
-            raise UsageError(f"export supports the baseline model only: "
-                             f"{field}={getattr(cfg, field)} is not exported yet")
-    if getattr(cfg, "n_kv_head", None) not in (None, 0, cfg.n_head):
-        raise UsageError(f"export supports the baseline model only: "
-                         f"n_kv_head={cfg.n_kv_head} is not exported yet")
+    for field, values in SUPPORTED.items():
+        if getattr(cfg, field) not in values:
+            raise UsageError(f"export does not support {field}={getattr(cfg, field)}: "
+                             f"hf/modeling_mugpt.py implements {field} in {values} only")
 
 
 def hf_config(cfg: Config, n_vocab: int, tokenizer) -> dict:
     """hf/configuration_mugpt.py's fields, from the run's config."""
     return dict(
         vocab_size=n_vocab, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head, num_key_value_heads=getattr(cfg, "n_kv_head", 0) or None,
+        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
         intermediate_size=cfg.mlp_width, max_position_embeddings=cfg.block_size,
         rope_base=cfg.rope_base, norm_gain=cfg.norm_gain, tie_embeddings=cfg.tie_embeddings,
         attn_scale=cfg.attn_scale, branch_mult=1 / cfg.depth_mult, alpha_in=cfg.alpha_in,
-        readout_mult=cfg.alpha_out / cfg.width_mult, torch_dtype="float32",
+        readout_mult=cfg.alpha_out / cfg.width_mult, attention=cfg.attention,
+        position=cfg.position, connections=cfg.connections, torch_dtype="float32",
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         architectures=["MuGPTForCausalLM"],
@@ -58,26 +59,29 @@ def hf_config(cfg: Config, n_vocab: int, tokenizer) -> dict:
 
 def state_dict(model, n_vocab: int) -> dict[str, np.ndarray]:
     """model.py's arrays under hf/modeling_mugpt.py's names, (out, in) as torch's Linear stores
-    them. qkv (L, D, 3, H, K) flattens to (L, D, 3HK): q heads, then key heads, then value heads,
-    the order modeling_mugpt.py splits them in."""
+    them. qkv (L, D, N, K) flattens to (L, D, NK): q heads, then key heads (none with SharedKV),
+    then value heads, the order modeling_mugpt.py splits them in."""
     emb, b = model.embeddings(), model.blocks
     L, D = b.attn.qkv.shape[0], emb.embed.shape[1]
-    t = lambda x: np.asarray(x, np.float32).T  # (in, out) -> (out, in)
-    out = {"embed.weight": np.asarray(emb.embed[:n_vocab], np.float32)}
+    a = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    out = {"embed.weight": a(emb.embed[:n_vocab])}
     if not isinstance(model.emb, eqx.nn.Shared):  # tied: the embedding is the readout
-        out["unembed"] = np.asarray(emb.unembed[:n_vocab], np.float32)
+        out["unembed"] = a(emb.unembed[:n_vocab])
     if model.final_norm is not None:
-        out["final_norm"] = np.asarray(model.final_norm, np.float32)
-    for i in range(L):
-        out |= {f"blocks.{i}.attn.qkv.weight": t(b.attn.qkv[i].reshape(D, -1)),
-                f"blocks.{i}.attn.out.weight": t(b.attn.out[i].reshape(-1, D)),
-                f"blocks.{i}.attn.q_norm": np.asarray(b.attn.q_norm[i], np.float32),
-                f"blocks.{i}.attn.k_norm": np.asarray(b.attn.k_norm[i], np.float32),
-                f"blocks.{i}.up.weight": t(b.mlp.up[i]),
-                f"blocks.{i}.down.weight": t(b.mlp.down[i])}
+        out["final_norm"] = a(model.final_norm)
+    for i in range(L):  # .T: (in, out) -> (out, in)
+        out |= {f"blocks.{i}.attn.qkv.weight": a(b.attn.qkv[i].reshape(D, -1)).T,
+                f"blocks.{i}.attn.out.weight": a(b.attn.out[i].reshape(-1, D)).T,
+                f"blocks.{i}.attn.q_norm": a(b.attn.q_norm[i]),
+                f"blocks.{i}.attn.k_norm": a(b.attn.k_norm[i]),
+                f"blocks.{i}.up.weight": a(b.mlp.up[i]).T,
+                f"blocks.{i}.down.weight": a(b.mlp.down[i]).T}
         if b.attn_norm is not None:
-            out[f"blocks.{i}.attn_norm"] = np.asarray(b.attn_norm[i], np.float32)
-            out[f"blocks.{i}.mlp_norm"] = np.asarray(b.mlp_norm[i], np.float32)
+            out[f"blocks.{i}.attn_norm"] = a(b.attn_norm[i])
+            out[f"blocks.{i}.mlp_norm"] = a(b.mlp_norm[i])
+    for i, c in enumerate(model.mudd or ()):  # MUDD's Connections, one per block
+        out |= {f"mudd.{i}.w1.weight": a(c.w1).T, f"mudd.{i}.w2.weight": a(c.w2).T,
+                f"mudd.{i}.b": a(c.b)}
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
@@ -119,6 +123,12 @@ def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool =
     check_exportable(cfg)
     meta = sample.read_dataset_record(rundir, cfg)
     model, step = sample.restore_model(rundir, cfg, step)
+    write(model, cfg, meta, out)
+    return step
+
+
+def write(model, cfg: Config, meta: dict, out: Path) -> None:
+    """The HF directory of a model.py GPT with its config and dataset record (meta.json's)."""
     import safetensors.numpy
     from hf.configuration_mugpt import MuGPTConfig
 
@@ -133,7 +143,6 @@ def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool =
         shutil.copy(ROOT / "hf" / name, out / name)
     tokenizer.model_max_length = cfg.block_size
     tokenizer.save_pretrained(out)
-    return step
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,8 @@ class MuGPTConfig(PretrainedConfig):
                  num_attention_heads=12, num_key_value_heads=None, intermediate_size=3072,
                  max_position_embeddings=1024, rope_base=10000.0, norm_gain=False,
                  tie_embeddings=False, attn_scale=0.125, branch_mult=1.0, alpha_in=1.0,
-                 readout_mult=1.0, **kwargs):
+                 readout_mult=1.0, attention="mha", position="rope", connections="residual",
+                 **kwargs):
         self.vocab_size = vocab_size  # the tokenizer's: the model's padding rows are not exported
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
@@ -28,6 +29,10 @@ class MuGPTConfig(PretrainedConfig):
         self.branch_mult = branch_mult  # CompleteP's residual branch scale (1 / depth_mult)
         self.alpha_in = alpha_in  # the embedding output multiplier
         self.readout_mult = readout_mult  # alpha_out / width_mult
+        # the variants of docs/variants.md, model.py's Config fields of the same names
+        self.attention = attention  # "mha" or "sharedkv" (the keys are the values)
+        self.position = position  # "rope" or "alibi" (then rope_base is not used)
+        self.connections = connections  # "residual" or "mudd" (dynamic dense connections)
         # transformers' own tying is not used: the tied model simply has no separate readout
         kwargs["tie_word_embeddings"] = False
         super().__init__(**kwargs)

@@ -1,11 +1,19 @@
 """A mugpt model in PyTorch, for transformers (copied by export.py next to the weights): the math
-of model.py line by line, so the logits equal the JAX model's. Shapes: B batch, T new positions,
-S key positions (cache and new), D width, H heads, K head dim, F mlp width, V vocab.
+of model.py line by line, so the logits equal the JAX model's, with every variant of
+docs/variants.md (grouped-query and SharedKV attention, ALiBi, MUDD connections) in any
+combination. Shapes: B batch, T new positions, S key positions (cache and new), D width, H heads,
+G key/value heads, K head dim, F mlp width, V vocab; MUDD: C streams, J states.
 
 Loaded by `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`; `generate` keeps
-transformers' DynamicCache. RoPE's positions are position_ids where generate passes them
-(from the attention mask: left padding shifts them), else they follow the cache.
+transformers' DynamicCache of the keys after QK-norm and RoPE, and the values. SharedKV caches its
+rotated keys as well as its values: twice the memory of model.py's cache (which keeps the values
+alone and recomputes the keys each step), the price of using transformers' cache unchanged.
+RoPE's positions are position_ids where generate passes them (from the attention mask: left
+padding shifts them), else they follow the cache. ALiBi's distances are those of cache indices,
+which equal the positions' differences between unpadded tokens (padding is on the left only).
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,13 +34,14 @@ def rms_norm(x, gain=None):
 
 
 def layer_norm(x, gain):
-    """model.layer_norm: QK-LayerNorm over the head dim, no bias, eps 1e-6."""
+    """model.layer_norm: QK-LayerNorm (Dehghani et al. 2023) over the head dim, no bias."""
     x = x.float() - x.float().mean(-1, keepdim=True)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
 
 
 def rope(x_BHTK, pos_BT, base):
-    """model.rope: rotate-half RoPE, dims i and i + K/2 a pair, angle pos * base^(-2i/K)."""
+    """model.rope: rotate-half RoPE (Su et al. 2021), dims i and i + K/2 a pair, angle
+    pos * base^(-2i/K)."""
     K2 = x_BHTK.shape[-1] // 2
     inv_freq = base ** (-torch.arange(K2, dtype=torch.float32, device=x_BHTK.device) / K2)
     angle_BTK2 = pos_BT.float()[..., None] * inv_freq
@@ -41,28 +50,61 @@ def rope(x_BHTK, pos_BT, base):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def alibi_slopes(H):
+    """ALiBi's (Press et al. 2022, arXiv 2108.12409) slopes: 2^(-8/H), 2^(-16/H), ... for H a
+    power of two; else those of the power of two below H, then every other one of twice that
+    power (the paper's code), as model.alibi_bias."""
+    powers = lambda n: [2 ** (-8 * (i + 1) / n) for i in range(n)]  # noqa: E731
+    below = 2 ** math.floor(math.log2(H))
+    return torch.tensor(powers(below) + powers(2 * below)[0::2][:H - below])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: MuGPTConfig, layer: int):
         super().__init__()
         D, H, G = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
         self.H, self.G, self.K, self.layer = H, G, D // H, layer
-        # queries' H heads, then G key heads, then G value heads (model.py's qkv, flattened)
-        self.qkv = nn.Linear(D, (H + 2 * G) * self.K, bias=False)
+        self.shared_kv = cfg.attention == "sharedkv"
+        # queries' H heads, then G key heads (none with SharedKV: its keys are the values), then
+        # G value heads (model.py's qkv, flattened)
+        self.heads = [H, G] if self.shared_kv else [H, G, G]
+        self.qkv = nn.Linear(D, sum(self.heads) * self.K, bias=False)
         self.out = nn.Linear(H * self.K, D, bias=False)
-        self.q_norm, self.k_norm = nn.Parameter(torch.ones(self.K)), nn.Parameter(torch.ones(self.K))
-        self.scale, self.rope_base = cfg.attn_scale, cfg.rope_base
+        self.q_norm = nn.Parameter(torch.ones(self.K))
+        self.k_norm = nn.Parameter(torch.ones(self.K))
+        self.scale = cfg.attn_scale
+        self.rope_base = cfg.rope_base if cfg.position == "rope" else None  # None: ALiBi
 
-    def forward(self, x_BTD, pos_BT, mask_BTS, cache):
-        B, T, _ = x_BTD.shape
-        qkv = self.qkv(x_BTD).view(B, T, self.H + 2 * self.G, self.K).transpose(1, 2)
-        q, k, v = qkv.split([self.H, self.G, self.G], dim=1)  # (B, heads, T, K)
-        q = rope(layer_norm(q, self.q_norm), pos_BT, self.rope_base)
-        k = rope(layer_norm(k, self.k_norm), pos_BT, self.rope_base)
+    def project(self, xs_BTD):
+        """model.Attention.project: [q, k, v] (B, heads, T, K) (SharedKV: [q, v, v]) from one
+        input, or from MUDD's one input per projection (queries', keys', values' streams)."""
+        B, T, _ = xs_BTD[0].shape
+        heads_BNTK = lambda y, n: y.view(B, T, n, self.K).transpose(1, 2)  # noqa: E731
+        if len(xs_BTD) == 1:  # one matmul for all heads
+            parts = heads_BNTK(self.qkv(xs_BTD[0]), sum(self.heads)).split(self.heads, dim=1)
+        else:  # each stream through its own heads' rows of the projection
+            rows = self.qkv.weight.split([n * self.K for n in self.heads])
+            parts = [heads_BNTK(x @ w.T, n) for x, w, n in zip(xs_BTD, rows, self.heads)]
+        return [parts[0], parts[1], parts[1]] if self.shared_kv else list(parts)
+
+    def forward(self, xs_BTD, pos_BT, index_T, mask_BTS, cache):
+        B, T, _ = xs_BTD[0].shape
+        q, k, v = self.project(xs_BTD)  # (B, heads, T, K)
+        # SharedKV's keys are its values QK-LayerNormed and rotated; the values stay unnormalized
+        q, k = layer_norm(q, self.q_norm), layer_norm(k, self.k_norm)
+        if self.rope_base is not None:
+            q, k = rope(q, pos_BT, self.rope_base), rope(k, pos_BT, self.rope_base)
         if cache is not None:
             k, v = cache.update(k, v, self.layer)  # (B, G, S, K): the past and these
+        # grouped-query attention (Ainslie et al. 2023): query head h reads head h // (H / G)
         k = k.repeat_interleave(self.H // self.G, dim=1)
         v = v.repeat_interleave(self.H // self.G, dim=1)
         logits_BHTS = self.scale * q @ k.transpose(-1, -2)
+        if self.rope_base is None:  # ALiBi: -m_h (i - j), after the logit scale as model.py
+            index_S = torch.arange(k.shape[2], device=k.device)
+            slopes_H = alibi_slopes(self.H).to(k.device)
+            bias_HTS = -slopes_H[:, None, None] * (index_T[:, None] - index_S[None, :])
+            logits_BHTS = logits_BHTS + bias_HTS
         logits_BHTS = logits_BHTS.masked_fill(~mask_BTS[:, None], torch.finfo(torch.float32).min)
         o_BHTK = logits_BHTS.softmax(-1) @ v
         return self.out(o_BHTK.transpose(1, 2).reshape(B, T, self.H * self.K))
@@ -76,13 +118,39 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = gain(), gain()
         self.attn = Attention(cfg, layer)
         self.up, self.down = nn.Linear(D, Fw, bias=False), nn.Linear(Fw, D, bias=False)
+        # CompleteP: residual branches scaled by depth_base / L (Dey et al. 2025)
         self.branch_mult = cfg.branch_mult
 
-    def forward(self, x_BTD, pos_BT, mask_BTS, cache):
-        a = self.attn(rms_norm(x_BTD, self.attn_norm), pos_BT, mask_BTS, cache)
-        x_BTD = x_BTD + self.branch_mult * a
+    def forward(self, xs_BTD, pos_BT, index_T, mask_BTS, cache):
+        """xs_BTD: the residual stream (x,), or MUDD's streams for the queries, (keys,) values
+        and the residual; the attention inputs share one RMSNorm gain. Returns the new residual."""
+        *streams, x_BTD = xs_BTD
+        normed = [rms_norm(s, self.attn_norm) for s in streams or [x_BTD]]
+        x_BTD = x_BTD + self.branch_mult * self.attn(normed, pos_BT, index_T, mask_BTS, cache)
         m = self.down(F.gelu(self.up(rms_norm(x_BTD, self.mlp_norm)), approximate="tanh"))
         return x_BTD + self.branch_mult * m
+
+
+class Connections(nn.Module):
+    """model.Connections: MUDD's dynamic dense connections after block i (Xiao et al. 2025, arXiv
+    2502.12170): per token, A (C, J) = GELU(RMSNorm(X_i+1) W1) W2 + b + one-hot(J - 1) weighs the
+    J = i + 2 states so far (embedding, each block's output) into C streams."""
+
+    def __init__(self, cfg: MuGPTConfig, layer: int):
+        super().__init__()
+        last = layer == cfg.num_hidden_layers - 1
+        self.C, self.J = 1 if last else (3 if cfg.attention == "sharedkv" else 4), layer + 2
+        self.w1 = nn.Linear(cfg.hidden_size, self.C * self.J, bias=False)
+        self.w2 = nn.Linear(self.C * self.J, self.C * self.J, bias=False)
+        self.b = nn.Parameter(torch.zeros(self.C, self.J))  # stored minus the one-hot
+
+    def forward(self, states):
+        B, T, _ = states[-1].shape
+        h = F.gelu(self.w1(rms_norm(states[-1])), approximate="tanh")
+        a_BTCJ = self.w2(h).view(B, T, self.C, self.J) + self.b
+        a_BTCJ = a_BTCJ + F.one_hot(torch.tensor(self.J - 1), self.J).to(a_BTCJ.dtype)
+        return [sum(a_BTCJ[..., c, j, None] * x for j, x in enumerate(states))
+                for c in range(self.C)]
 
 
 class MuGPTForCausalLM(PreTrainedModel, GenerationMixin):
@@ -92,9 +160,12 @@ class MuGPTForCausalLM(PreTrainedModel, GenerationMixin):
 
     def __init__(self, cfg: MuGPTConfig):
         super().__init__(cfg)
-        V, D = cfg.vocab_size, cfg.hidden_size
+        V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
         self.embed = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(L))
+        self.mudd = None
+        if cfg.connections == "mudd":
+            self.mudd = nn.ModuleList(Connections(cfg, i) for i in range(L))
         self.final_norm = nn.Parameter(torch.ones(D)) if cfg.norm_gain else None
         # tied: the readout is the embedding matrix itself
         self.unembed = None if cfg.tie_embeddings else nn.Parameter(torch.zeros(V, D))
@@ -119,10 +190,18 @@ class MuGPTForCausalLM(PreTrainedModel, GenerationMixin):
         if attention_mask is not None:
             mask_BTS = mask_BTS & attention_mask[:, None, -(past + T):].bool()
         x_BTD = self.config.alpha_in * self.embed(input_ids)
-        for block in self.blocks:
-            x_BTD = block(x_BTD, pos_BT, mask_BTS, cache)
+        # model.GPT.hidden: with MUDD each block reads the streams its Connections made of every
+        # earlier state; block 0 reads the embedding alone
+        states, xs_BTD = [x_BTD], [x_BTD]
+        for i, block in enumerate(self.blocks):
+            x_BTD = block(xs_BTD, pos_BT, index_T, mask_BTS, cache)
+            if self.mudd is None:
+                xs_BTD = [x_BTD]
+            else:
+                states.append(x_BTD)
+                xs_BTD = self.mudd[i](states)
         unembed = self.embed.weight if self.unembed is None else self.unembed
-        logits = self.config.readout_mult * (rms_norm(x_BTD, self.final_norm) @ unembed.T)
+        logits = self.config.readout_mult * (rms_norm(xs_BTD[0], self.final_norm) @ unembed.T)
         loss = None
         if labels is not None:  # next-token cross-entropy, as train.loss_fn
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())

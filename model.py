@@ -91,8 +91,6 @@ def attend(q_THK: Array, k_SGK: Array, v_SGK: Array, scale: float, mask_TS: Arra
     Grouped-query attention (Ainslie et al. 2023) when G < H: query head h reads key and value
     head h // (H / G)."""
     (T, H, K), (S, G, _) = q_THK.shape, k_SGK.shape
-    if mask_TS is None:
-        mask_TS = jnp.tril(jnp.ones((T, S), bool))
     q_TGRK = q_THK.reshape(T, G, H // G, K)
     logits_GRTS = jnp.einsum("TGRK,SGK->GRTS", q_TGRK, k_SGK, preferred_element_type=jnp.float32)
     logits_HTS = scale * logits_GRTS.reshape(H, T, S)
@@ -100,6 +98,8 @@ def attend(q_THK: Array, k_SGK: Array, v_SGK: Array, scale: float, mask_TS: Arra
         tap("attn_logits", logits_HTS[:, *jnp.tril_indices(T)])
     if bias_HTS is not None:
         logits_HTS = logits_HTS + bias_HTS
+    if mask_TS is None:
+        mask_TS = jnp.tril(jnp.ones((T, S), bool))
     logits_HTS = jnp.where(mask_TS, logits_HTS, jnp.finfo(jnp.float32).min)
     probs_GRTS = jax.nn.softmax(logits_HTS, axis=-1).astype(v_SGK.dtype).reshape(G, -1, T, S)
     return jnp.einsum("GRTS,SGK->TGRK", probs_GRTS, v_SGK).reshape(T, H, K)

@@ -44,7 +44,12 @@ def overrides(size: str, variant: str, seed: int, steps: int | None) -> list[str
 
 
 def train_run(rundir: Path, args: list[str]) -> None:
-    """launch.py as the README's quickstart runs it; a finished run just says so."""
+    """launch.py as the README's quickstart runs it, unless the run has its last checkpoint."""
+    import configs
+
+    steps = configs.apply_overrides(configs.load("shakespeare_char_cpu"), args).max_steps
+    if (rundir / "checkpoints" / str(steps)).is_dir():
+        return
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
     cmd = [sys.executable, "launch.py", "--config=shakespeare_char_cpu",
            "--config.mesh_replica=2", f"--rundir={rundir}", *args]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import model as M
+import params
 from conftest import ROOT, run, tiny
 from test_model import numpy_forward, random_gpt
 
@@ -117,7 +118,7 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     named = lambda g: jax.tree_util.tree_flatten_with_path(eqx.filter(g, eqx.is_array))[0]
     for (path, a), (_, b) in zip(named(want), named(got), strict=True):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=M.param_name(path))
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=params.param_name(path))
 
 
 def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):

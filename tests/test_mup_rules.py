@@ -64,8 +64,8 @@ def test_attention_logits_are_tau_over_head_dim_as_heads_widen(tau):
     for D in (32, 64, 128, 256):
         cfg = mup_tiny(d_model=D, n_head=2, d_base=32, attn_tau=tau)
         gpt = params.init_gpt(cfg, jax.random.key(0))
-        qkv = gpt.blocks.attn.qkv
-        gpt = eqx.tree_at(lambda g: g.blocks.attn.qkv, gpt, qkv.at[:, :, 1].set(qkv[:, :, 0]))
+        qkv, H = gpt.blocks.attn.qkv, cfg.n_head  # (L, D, heads, K): H query heads, then the keys'
+        gpt = eqx.tree_at(lambda g: g.blocks.attn.qkv, gpt, qkv.at[:, :, H:2 * H].set(qkv[:, :, :H]))
         sizes = mup.activation_sizes(gpt, np.zeros((1, 1), np.int32))  # one token: only the diagonal
         assert sizes["attn_logits"] == pytest.approx(tau, rel=1e-3), (D, cfg.head_dim)
 

@@ -85,7 +85,11 @@ def test_greedy_generate_equals_sample_py(runs):
     """transformers' generate (with its KV cache) against sample.generate at temperature 0, within
     the block (sample.py slides its window beyond it, transformers does not)."""
     model, cfg, hf, tokenizer = load(*runs["sp"])
-    prompt = tokenizer("First")["input_ids"]
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer("First")["input_ids"])
+
+
+def assert_greedy_generate_equals_sample_py(model, cfg, hf, prompt: list[int]) -> None:
+    """hf.generate's greedy tokens after prompt, to the end of the block, are sample.py's."""
     n = cfg.block_size - len(prompt)
     want = sample.generate(model, sample.prompt_window(prompt, cfg.block_size), jax.random.key(0),
                            jnp.float32(0.0), num_samples=1, max_new_tokens=n, n_vocab=65)
@@ -93,7 +97,7 @@ def test_greedy_generate_equals_sample_py(runs):
     with torch.no_grad():
         got = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                           use_cache=True, attention_mask=torch.ones(1, len(prompt), dtype=int))
-    assert len(set(want)) > 2  # not one character repeated
+    assert len(set(want)) > 2  # not one token repeated
     assert got[0, len(prompt):].tolist() == want
 
 
@@ -167,16 +171,7 @@ def test_variant_greedy_generate_equals_sample_py(name, tmp_path):
     """transformers' generate with its KV cache (rotated keys cached, SharedKV's too) against
     sample.py's greedy decoding with model.py's cache, within the block."""
     model, cfg, hf = exported_variant(name, tmp_path)
-    prompt = [5, 17, 3, 42]
-    n = cfg.block_size - len(prompt)
-    want = sample.generate(model, sample.prompt_window(prompt, cfg.block_size), jax.random.key(0),
-                           jnp.float32(0.0), num_samples=1, max_new_tokens=n, n_vocab=65)
-    want = np.asarray(want)[0].tolist()
-    with torch.no_grad():
-        got = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                          use_cache=True, attention_mask=torch.ones(1, len(prompt), dtype=int))
-    assert len(set(want)) > 2  # not one token repeated
-    assert got[0, len(prompt):].tolist() == want
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, [5, 17, 3, 42])
 
 
 @pytest.mark.parametrize("name", ["all", "gqa"])

@@ -234,13 +234,16 @@ def test_attention_implementations_match_a_naive_reference():
 
     causal = np.tril(np.ones((16, 16), bool))
     window = causal & ~np.tril(np.ones((16, 16), bool), -3)  # each query sees itself and 2 before
+    # a GPU multiplies float32 in TF32 by default (about 1e-3 relative): the float32 paths are
+    # compared at full precision, the bf16 kernel below at bf16's tolerance
     for b in range(2):
         want = naive(q[b], k[b], v[b], causal)
-        np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8)), want, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8), mask_TS=window),
-                                   naive(q[b], k[b], v[b], window), rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(jax.nn.dot_product_attention(q[b], k[b], v[b], is_causal=True), want,
-                                   rtol=1e-5, atol=1e-5)
+        with jax.default_matmul_precision("highest"):
+            np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8)), want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8), mask_TS=window),
+                                       naive(q[b], k[b], v[b], window), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(jax.nn.dot_product_attention(q[b], k[b], v[b], is_causal=True),
+                                       want, rtol=1e-5, atol=1e-5)
         if jax.default_backend() == "gpu":
             import kernels
             bf = lambda a: jnp.asarray(a, jnp.bfloat16)

@@ -241,7 +241,7 @@ class Connections(eqx.Module):
         (C, J), x_TD = self.b.shape, states_JTD[-1]
         h_TM = gelu(jnp.einsum("TD,DM->TM", rms_norm(x_TD, None), self.w1.astype(x_TD.dtype)))
         a_TCJ = jnp.einsum("TM,MN->TN", h_TM, self.w2.astype(x_TD.dtype)).reshape(-1, C, J)
-        a_TCJ = a_TCJ + self.b + jnp.eye(J)[-1]
+        a_TCJ = (a_TCJ + self.b + jnp.eye(J)[-1]).astype(x_TD.dtype)  # b is float32: keep bf16
         # sums of products rather than an einsum over the stacked states: the backward then keeps
         # the states (alive anyway), not a stacked copy per layer (L^2 T D memory)
         return tuple(sum(a_TCJ[:, c, j, None] * x for j, x in enumerate(states_JTD))

@@ -4,6 +4,7 @@ import dataclasses
 
 import equinox as eqx
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,6 +66,25 @@ def test_mudd_at_init_is_the_baseline_and_its_weights_matter():
     w2 = [jax.random.normal(jax.random.key(i), c.w2.shape) for i, c in enumerate(mudd.mudd)]
     moved = eqx.tree_at(lambda m: [c.w2 for c in m.mudd], mudd, w2)
     assert not np.allclose(moved(tokens), base(tokens), atol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["baseline", *VARIANTS])
+def test_every_matmul_runs_in_the_compute_dtype(name):
+    """With compute_dtype bfloat16 every matrix product of the forward takes bf16 operands (the
+    logits are cast to float32 after theirs): a float32 parameter mixed into the stream (MUDD's b
+    did it) would make the blocks run in float32, at half speed and refused by cuDNN's attention."""
+    cfg = tiny(n_layer=2, n_head=4, d_model=32, compute_dtype="bfloat16", **VARIANTS.get(name, {}))
+    gpt = random_gpt(cfg)
+
+    def products(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield [str(v.aval.dtype) for v in eqn.invars]
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                yield from products(sub)
+
+    found = list(products(jax.make_jaxpr(gpt)(jnp.arange(12)).jaxpr))
+    assert len(found) >= 3 * cfg.n_layer and all(d == ["bfloat16"] * 2 for d in found), found
 
 
 @pytest.mark.parametrize("name", ["gqa", "sharedkv", "alibi", "mudd", "all"])

@@ -170,7 +170,7 @@ def cudnn_attend(q_THK, k_SGK, v_SGK, scale: float, mask_TS=None, bias_HTS=None)
     bias included. is_causal aligns queries and keys from position 0, true in training;
     sample.py's cache passes a mask, and an edit of model.py may pass float32 (cuDNN takes
     half precision only): model.attend takes those."""
-    if mask_TS is not None or q_THK.dtype not in (jnp.bfloat16, jnp.float16):
+    if mask_TS is not None or (on_gpu() and q_THK.dtype not in (jnp.bfloat16, jnp.float16)):
         return model.attend(q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
     bias = None if bias_HTS is None else bias_HTS.astype(q_THK.dtype)
     kernel = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True,

@@ -110,11 +110,19 @@ def coord_table(doc: dict, part: str) -> tuple[list[int], dict[str, np.ndarray]]
     return sizes, {n: np.array([results[s][n] for s in sizes]) for n in names}
 
 
-def best_lrs(doc: dict, part: str) -> dict[int, int | None]:
-    """Size -> the index of its best LR on the grid (None: every LR diverged)."""
-    results, sizes = tables(doc, part)
-    rows = {s: np.array([np.nan if v is None else v for v in results[s]]) for s in sizes}
-    return {s: int(np.nanargmin(r)) if np.isfinite(r).any() else None for s, r in rows.items()}
+def optimum(row) -> float | None:
+    """The best LR's place on the grid between grid points: the vertex of the parabola through
+    the best point and its two neighbours, in grid steps (a factor 2 of LR each). A grid point
+    alone moves by whole steps, too coarse to see a drift of one step over 8x depth. At the
+    grid's edge, the edge (the optimum may lie beyond); None: every LR diverged."""
+    row = np.array([np.nan if v is None else v for v in row], dtype=float)
+    if not np.isfinite(row).any():
+        return None
+    i = int(np.nanargmin(row))
+    if i in (0, len(row) - 1) or not np.isfinite(row[i - 1:i + 2]).all():
+        return float(i)
+    left, mid, right = row[i - 1:i + 2]
+    return i + 0.5 * (left - right) / (left - 2 * mid + right)
 
 
 def wider_is_better(doc: dict) -> tuple[int, list[tuple[int, list, list, bool]]]:
@@ -167,22 +175,33 @@ def readme(doc: dict) -> str:
                      f"{','.join(map(str, sizes))} | {st[part]['steps']} x {st[part]['seeds']} "
                      f"| {worst:.3f} | {name}, step {t} |")
     lines += ["", "## Learning-rate sweeps", "",
-              "The best LR's index on the grid (the LRs below), per size; the spread is the "
-              "largest minus the smallest index.", ""]
+              "Per size: the best LR's place on the grid (0 = the first LR below), between grid "
+              "points (the LR there; plots.optimum: the parabola through the best LR and its neighbours), and "
+              "the validation loss there. Drift: the largest minus the smallest place, in grid "
+              "steps (factors of 2), and whether it moves one way as the size grows.", ""]
     for axis in ("width", "depth"):
         parts = [p for p in st if st[p]["kind"] == "sweep" and st[p]["axis"] == axis]
-        best = {p: best_lrs(doc, p) for p in parts}
-        sizes = sorted({s for b in best.values() for s in b})
         lrs = st[parts[0]]["lrs"]
         lines += [f"Grid: {', '.join(f'{lr:.3g}' for lr in lrs)}; {st[parts[0]]['steps']} steps.",
                   "", f"| {axis} | " + " | ".join(TITLES[st[p]["model"]] for p in parts) + " |",
                   "|---|" + "---|" * len(parts)]
-        cell = lambda i: "diverged" if i is None else f"{i} ({lrs[i]:.3g})"
-        for size in sizes:
-            cells = [cell(best[p][size]) if size in best[p] else "" for p in parts]
+        results = {p: tables(doc, p)[0] for p in parts}
+        places = {p: {s: optimum(r) for s, r in results[p].items()} for p in parts}
+        for size in sorted({s for r in results.values() for s in r}):
+            cells = []
+            for p in parts:
+                place, row = places[p].get(size), results[p].get(size)
+                cells.append("" if row is None else "diverged" if place is None else
+                             f"{place:.2f} ({lrs[0] * 2**place:.2g}), "
+                             f"loss {np.nanmin(np.array(row, dtype=float)):.3f}")
             lines.append(f"| {size} | " + " | ".join(cells) + " |")
-        spread = [np.ptp([i for i in best[p].values() if i is not None] or [0]) for p in parts]
-        lines += ["| spread | " + " | ".join(f"{s} steps" for s in spread) + " |", ""]
+        drift = []
+        for p in parts:
+            found = [v for _, v in sorted(places[p].items()) if v is not None] or [0.0]
+            steps = np.diff(found)
+            way = "one way" if np.all(steps < 0) or np.all(steps > 0) else "not one way"
+            drift.append(f"{np.ptp(found):.2f} steps, {way}")
+        lines += ["| drift | " + " | ".join(drift) + " |", ""]
     every, rows = wider_is_better(doc)
     if rows:
         widths = tables(doc, "curves")[1]

@@ -181,6 +181,15 @@ def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
     assert np.nanargmin(sp_wide) <= best[0] - 1, (loss, sp_wide)
 
 
+def test_optimum_is_the_vertex_between_grid_points():
+    """A loss that is a parabola in log2 LR has its optimum read exactly between grid points; at
+    the grid's edge the edge; diverged runs (None, nan) are skipped or give None."""
+    assert plots.optimum([(x - 3.3) ** 2 for x in range(8)]) == pytest.approx(3.3)
+    assert plots.optimum([None] + [2 * (x - 4.25) ** 2 + 1 for x in range(1, 8)]) == pytest.approx(4.25)
+    assert plots.optimum([3.0, 2.0, 1.0]) == 2.0
+    assert plots.optimum([None, float("nan")]) is None
+
+
 def test_docs_mup_evidence_is_current():
     """docs/mup/evidence.json holds the settings (full resolved configs, sizes, steps, seeds, LRs) that
     `python mup.py evidence --out=docs/mup` would run now, a result for every size, and the README made from

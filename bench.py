@@ -317,7 +317,7 @@ def main() -> None:
             except OSError as e:
                 raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
         import train  # after parsing, as launch.py: a typo should not wait for jax to load
-        from launch import git_state
+        from rundir import git_state
 
         if args.time_to is not None:
             result = time_to(cfg, args.time_to, args.rundir)

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
             data.load_split(cfg, "train"), data.load_split(cfg, "val")
             params.check(cfg)  # an edited model.py's parameter without a policy row, say
             # Process 0 checks and writes the run directory; the others only train in it.
-            first = jax.process_index() == 0
-            rundir = open_rundir(args.rundir, args.config, cfg) if first else epath.Path(args.rundir)
+            rundir = (open_rundir(args.rundir, args.config, cfg) if jax.process_index() == 0
+                      else epath.Path(args.rundir))
             train.train(cfg, rundir, debug=args.debug)
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")

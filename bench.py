@@ -1,18 +1,12 @@
 """Time the real train step:
     python bench.py --config=NAME [--config.FIELD=VALUE ...] [--steps=N] [--torch] [--trace=DIR]
-                    [--checkpoint=DIR]
+                    [--checkpoint=DIR] [--time-to=LOSS [--rundir=DIR]]
 
-Builds the step with train.setup() (the code path training uses, kernels' self-check included),
-compiles it, warms up, times N steps on random tokens and prints one JSON line. On a CPU, which has
-no datasheet peak, it also times a large matmul in the same process and reports the step's FLOP
-rate as a fraction of that measured peak. --torch also times a straightforward eager PyTorch
-version of the same model in the same process, in blocks that alternate with the JAX step's, and
-reports the medians. --trace=DIR also traces 3 steps with jax.profiler into DIR (tensorboard's
-profile tab, ui.perfetto.dev) and prints to stderr where the time went. --checkpoint=DIR also
-saves the state as training does and times the save and the record of what it wrote. --time-to=LOSS
-instead trains the config (into --rundir, default a new temporary directory) and reports the wall
-time to the first evaluation with a val loss at most LOSS. Lines hold the commit and the command.
-Split a CPU into N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.
+The step is train.setup()'s, the code path training uses (kernels' self-check included), timed on
+random tokens once compiled and warmed up. It prints one JSON line, with the commit and the
+command. What each flag adds: --help, and README.md's Performance (a trace opens in tensorboard's
+profile tab or ui.perfetto.dev). Split a CPU into N devices with
+XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 import argparse
 import collections

@@ -1,18 +1,12 @@
 """Time the real train step:
     python bench.py --config=NAME [--config.FIELD=VALUE ...] [--steps=N] [--torch] [--trace=DIR]
-                    [--checkpoint=DIR]
+                    [--checkpoint=DIR] [--time-to=LOSS [--rundir=DIR]]
 
-Builds the step with train.setup() (the code path training uses, kernels' self-check included),
-compiles it, warms up, times N steps on random tokens and prints one JSON line. On a CPU, which has
-no datasheet peak, it also times a large matmul in the same process and reports the step's FLOP
-rate as a fraction of that measured peak. --torch also times a straightforward eager PyTorch
-version of the same model in the same process, in blocks that alternate with the JAX step's, and
-reports the medians. --trace=DIR also traces 3 steps with jax.profiler into DIR (tensorboard's
-profile tab, ui.perfetto.dev) and prints to stderr where the time went. --checkpoint=DIR also
-saves the state as training does and times the save and the record of what it wrote. --time-to=LOSS
-instead trains the config (into --rundir, default a new temporary directory) and reports the wall
-time to the first evaluation with a val loss at most LOSS. Lines hold the commit and the command.
-Split a CPU into N devices with XLA_FLAGS=--xla_force_host_platform_device_count=N.
+The step is train.setup()'s, the code path training uses (kernels' self-check included), timed on
+random tokens once compiled and warmed up. It prints one JSON line, with the commit and the
+command. What each flag adds: --help, and README.md's Performance (a trace opens in tensorboard's
+profile tab or ui.perfetto.dev). Split a CPU into N devices with
+XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
 import argparse
 import collections
@@ -87,62 +81,6 @@ def matmul_peak(dtype: str) -> float:
         out = f(a)
     out.block_until_ready()
     return 10 * 2 * 2048**3 / (time.perf_counter() - t0)
-
-
-def torch_step(cfg: Config):
-    """One train step of the same model (RMSNorm, QK-LayerNorm, RoPE, GELU MLP, untied readout)
-    and optimizer (AdamW, clipping) written plainly in eager PyTorch, float32, on the CPU: a
-    function that runs a step, already warmed up."""
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-
-    B, T, D, H, K = cfg.batch_size, cfg.block_size, cfg.d_model, cfg.n_head, cfg.head_dim
-    V = cfg.model_vocab
-    freq = cfg.rope_base ** (-torch.arange(K // 2) / (K // 2))
-    angle = torch.arange(T)[:, None] * freq
-    cos, sin = angle.cos()[:, None], angle.sin()[:, None]
-
-    def rope(x):
-        x1, x2 = x[..., :K // 2], x[..., K // 2:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv, self.out = nn.Linear(D, 3 * D, bias=False), nn.Linear(D, D, bias=False)
-            self.q_norm, self.k_norm = nn.LayerNorm(K, bias=False), nn.LayerNorm(K, bias=False)
-            self.up = nn.Linear(D, cfg.mlp_width, bias=False)
-            self.down = nn.Linear(cfg.mlp_width, D, bias=False)
-
-        def forward(self, x):
-            q, k, v = self.qkv(F.rms_norm(x, (D,))).view(B, T, 3, H, K).unbind(2)
-            q, k = rope(self.q_norm(q)).transpose(1, 2), rope(self.k_norm(k)).transpose(1, 2)
-            o = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True)
-            x = x + self.out(o.transpose(1, 2).reshape(B, T, D))
-            return x + self.down(F.gelu(self.up(F.rms_norm(x, (D,))), approximate="tanh"))
-
-    embed = nn.Embedding(V, D)
-    blocks = nn.ModuleList(Block() for _ in range(cfg.n_layer))
-    unembed = nn.Linear(D, V, bias=False)
-    params = [*embed.parameters(), *blocks.parameters(), *unembed.parameters()]
-    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
-                            weight_decay=0.1)
-    x, y = torch.randint(0, cfg.vocab_size, (B, T)), torch.randint(0, cfg.vocab_size, (B, T))
-
-    def step():
-        h = embed(x)
-        for block in blocks:
-            h = block(h)
-        loss = F.cross_entropy(unembed(F.rms_norm(h, (D,))).view(-1, V), y.view(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-
-    for _ in range(3):
-        step()
-    return step
 
 
 def time_torch(step, steps: int) -> float:
@@ -237,8 +175,10 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
     # the first step traces and compiles; two more warm up
     first_s, state = time_calls(s.step, (s.model, s.opt_state), (x, y), sharding, 1)
     _, state = time_calls(s.step, state, (x, y), sharding, 2)
-    # alternating blocks, so that the machine's drift over the run hits both alike
     if with_torch:
+        from bench_torch import torch_step
+
+        # alternating blocks, so that the machine's drift over the run hits both alike
         torch_fn, blocks, jax_s, torch_s = torch_step(cfg), min(TORCH_BLOCKS, steps), [], []
         for b in range(blocks):
             n = steps // blocks + (b < steps % blocks)
@@ -317,7 +257,7 @@ def main() -> None:
             except OSError as e:
                 raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
         import train  # after parsing, as launch.py: a typo should not wait for jax to load
-        from launch import git_state
+        from rundir import git_state
 
         if args.time_to is not None:
             result = time_to(cfg, args.time_to, args.rundir)

@@ -9,17 +9,15 @@ Each writes data/NAME/: train.bin and val.bin (flat token ids, uint16 when the v
 else uint32) and meta.json (vocabulary, dtype, token counts, and how to encode/decode text).
 """
 import argparse
-import glob
 import hashlib
-import itertools
 import json
 import os
-import re
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
+import corpus
 import tokenization
 from configs import Config, UsageError
 
@@ -28,8 +26,6 @@ SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/d
                    "tinyshakespeare/input.txt")
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 HF_SOURCES = {"openwebtext": "Skylion007/openwebtext"}
-# What a folder is searched for; a glob's matches are text unless .json/.jsonl.
-TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
 # Streams of the (seed, stream, step) batch generator: training batches, and two fixed eval sets.
 TRAIN, EVAL_TRAIN, EVAL_VAL = 0, 1, 2
 
@@ -82,73 +78,15 @@ def prepare_shakespeare_char(out: Path) -> None:
     write_dataset(out, {"train": [ids[:n]], "val": [ids[n:]]}, len(chars), tokenizer)
 
 
-def documents(files: list[str], text_field: str, stamp=None):
-    """{text_field: text} for each document: a record of a .json/.jsonl file (an object a line),
-    a paragraph of any other file (lines up to a blank line). `stamp` only keys datasets' cache
-    of the documents (the files' sizes and times, and this code)."""
-    for name in files:
-        n = 0  # the records read, for the error
-        try:
-            with open(name, encoding="utf-8") as f:
-                if Path(name).suffix.lower() in (".json", ".jsonl"):
-                    records = map(json.loads, filter(str.strip, f))
-                else:
-                    records = ({text_field: "".join(p).rstrip("\n")}
-                               for blank, p in itertools.groupby(f, str.isspace) if not blank)
-                for n, record in enumerate(records, 1):
-                    if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
-                        raise UsageError(f"{name}: {str(record)[:60]} has no {text_field!r} text: "
-                                         "pass --text_field, or fix it")
-                    yield {text_field: record[text_field]}
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{name} is not UTF-8 text ({e}): "
-                             "convert it, or leave it out") from None
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{name}, record {n + 1}: {e}; "
-                             "write one JSON object a line, or name the file .txt") from None
-
-
 def prepare_text(out: Path, source: str, text_field: str = "text",
                  val_fraction: float | None = None, tokenizer: str = "gpt2") -> None:
-    """The tokens of a HF dataset id or local files, each document followed by the end-of-text
-    id, split by shuffled documents as nanoGPT's prepare.py does. tokenizer: tokenization.py's
-    for_documents (GPT-2's BPE by tiktoken, a tokenizer.json, or a Hub id)."""
-    import datasets
-
+    """The tokens of a HF dataset id or local files (corpus.py), each document followed by the
+    end-of-text id, split by shuffled documents as nanoGPT's prepare.py does. tokenizer:
+    tokenization.py's for_documents (GPT-2's BPE by tiktoken, a tokenizer.json, or a Hub id)."""
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise UsageError(f"--val_fraction={val_fraction} is not between 0 and 1")
-    # A folder among the matches stands for its files, recursively.
-    matches = glob.glob(os.path.expanduser(source), recursive=True)
-    files = sorted({str(p) for m in map(Path, matches)
-                    for p in (m.rglob("*") if m.is_dir() else [m])
-                    if p.is_file() and (p == m or p.suffix.lower() in TEXT_SUFFIXES)})
     record, vocab_size, encode = tokenization.for_documents(tokenizer)
-    if files:
-        code = Path(__file__).read_text()
-        stamp = repr([code] + [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files])
-        gen_kwargs = dict(files=files, text_field=text_field, stamp=stamp)
-        try:
-            ds = datasets.Dataset.from_generator(documents, gen_kwargs=gen_kwargs)
-        # datasets wraps documents' UsageError; no documents at all is a SchemaInferenceError.
-        except datasets.exceptions.DatasetGenerationError as e:
-            if isinstance(e.__cause__, datasets.arrow_writer.SchemaInferenceError):
-                raise UsageError(f"{source} holds no text: its files are empty or blank") from None
-            raise e.__cause__ if isinstance(e.__cause__, UsageError) else e
-    # A path, not a Hub id: fail now, not after the Hub's retries.
-    elif (matches or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", source)
-          or Path(source).suffix.lower() in TEXT_SUFFIXES or os.path.isdir(Path(source).parts[0])):
-        raise UsageError(f"no files in {source!r} (folders are searched for .txt/.json/.jsonl): "
-                         "check it, or quote a glob")
-    else:
-        try:
-            ds = datasets.load_dataset(source, split="train", trust_remote_code=False)
-        except Exception as e:  # not found, no network, ...: datasets' own reason, on one line
-            reason = " ".join(str(e).split())[:300]
-            raise UsageError(f"no local files match {source!r}, and as a Hugging Face dataset id "
-                             f"it failed: {type(e).__name__}: {reason}") from None
-    if text_field not in ds.column_names:
-        raise UsageError(f"{source} has no field {text_field!r} (fields: {ds.column_names}); "
-                         "pass --text_field")
+    ds = corpus.load(source, text_field)
     if len(ds) < 2:  # a text file's documents are its paragraphs
         raise UsageError(f"{source} has {len(ds)} document(s); a train/val split needs 2 "
                          "(separate them by blank lines)")

@@ -200,7 +200,7 @@ def test_copy_sends_the_repo_without_runs_data_git_and_bytecode(stub):
 
 def test_copy_records_the_commit_for_run_json(stub, monkeypatch):
     """The copy has no .git: .mugpt_git says which commit it is and whether the tree was dirty, and
-    launch.py's git_state reads it there (git finds no repository in the copy)."""
+    rundir.py's git_state reads it there (git finds no repository in the copy)."""
     repo = stub / "repo"
     shutil.rmtree(repo / ".git")
     git = lambda *args: subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
@@ -209,7 +209,7 @@ def test_copy_records_the_commit_for_run_json(stub, monkeypatch):
     git("add", "-A")
     git("commit", "-q", "-m", "x")
     head = git("rev-parse", "HEAD")
-    import launch
+    import rundir
 
     for dirty in (False, True):
         if dirty:
@@ -217,8 +217,8 @@ def test_copy_records_the_commit_for_run_json(stub, monkeypatch):
         assert tpu(stub, "copy").returncode == 0
         for home in workers(stub):
             assert json.loads((home / "mugpt/.mugpt_git").read_text()) == {"commit": head, "dirty": dirty}
-        monkeypatch.setattr(launch, "ROOT", workers(stub)[0] / "mugpt")
-        assert launch.git_state() == {"commit": head, "dirty": dirty}
+        monkeypatch.setattr(rundir, "ROOT", workers(stub)[0] / "mugpt")
+        assert rundir.git_state() == {"commit": head, "dirty": dirty}
 
 
 def test_setup_makes_a_python_3_11_venv_with_jax_tpu_requirements_and_gcsfs(stub):

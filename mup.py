@@ -16,7 +16,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -32,6 +31,7 @@ import data
 import model as M
 import params
 import plots
+import rundir
 import train
 from configs import Config, RunError, UsageError
 
@@ -211,12 +211,6 @@ def measure(s: dict, size: int):
     return {"train": windows.tolist(), "val": val[0].tolist()}
 
 
-def git_commit() -> dict:
-    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True,
-                                    cwd=Path(__file__).parent).stdout.strip()
-    return {"commit": run("rev-parse", "HEAD") or None, "dirty": bool(run("status", "--porcelain"))}
-
-
 def open_out(text: str, new: dict) -> tuple[Path, dict]:
     """--out, checked before any training: a writable directory and its evidence.json ({} if
     none), which must be of these settings: others are refused, never overwritten."""
@@ -253,7 +247,7 @@ def evidence(name: str, overrides: list[str], cfg: Config, out_text: str) -> Non
             if size not in results.get(p, {})]
     print(f"{out}/evidence.json has these settings' results: {len(todo)} sizes left" * bool(old))
     # the code that measured: this process's, before any training (the file's if nothing is left)
-    commit = git_commit() if todo else {k: old[k] for k in ("commit", "dirty")}
+    commit = rundir.git_state() if todo else {k: old[k] for k in ("commit", "dirty")}
     for part, size in todo + [(None, None)]:  # the last round writes every figure
         if part:
             results.setdefault(part, {})[size] = measure(parts[part], size)

@@ -257,7 +257,7 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
     whole = json.loads((tmp_path / "whole" / "evidence.json").read_text())
     assert whole["results"]["lr_width"]["64"][-1] is None
     readme = (tmp_path / "whole" / "README.md").read_text()
-    assert "| 64 | 0 (0.00025) | 0 (0.00025) |" in readme and "Wider is better at every" in readme
+    assert "| 64 | 0.00 (0.00025), loss 0.016 | 0.00 (0.00025), loss 0.016 |" in readme and "Wider is better at every" in readme
 
     out, done[:] = tmp_path / "resumed", []
     result = run(["-c", INTERRUPTED, *args, f"--out={out}"], timeout=300)

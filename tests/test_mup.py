@@ -167,18 +167,24 @@ def lr_sweep(cfg, lrs, steps):
 
 
 def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
-    """Widths 64, 128, 256, six LRs a factor 2 apart, 150 steps of real data: under muP the best LR is
-    the same grid point for every width (at most one step apart) and wider is better at it; under SP
-    the best LR moves down by at least one step from width 64 to 256."""
-    cfg = mup_tiny(dataset="shakespeare_char", n_layer=1, depth_base=1, batch_size=8, eval_batches=16, max_steps=150,
+    """Widths 64 and 512 (m = 8), seven LRs a factor 2 apart that bracket every optimum, 150 steps
+    of real data. Under muP the best LR, read between grid points (plots.optimum), moves by at
+    most one grid step and the wider model is better there; under SP (64 -> 256) it moves down
+    by two or more. A wide model must bracket its optimum: with the hidden LR's 1/m removed the
+    optimum at 512 falls 1.3 steps (tools/mutate_mup.py), not the 3 of log2 m, as the embedding's
+    and readout's LRs pull the other way; muP's rises about half a step at these tiny sizes."""
+    cfg = mup_tiny(dataset="shakespeare_char", batch_size=8, eval_batches=16, max_steps=150,
                    warmup_steps=0, min_lr=2e-4)
-    widths, lrs = [64, 128, 256], [2.0**k for k in range(-10, -4)]
-    loss = np.stack([lr_sweep(mup.resize(cfg, "width", w), lrs, 150) for w in widths])
-    best = np.nanargmin(loss, axis=1)
-    assert np.ptp(best) <= 1, loss
-    assert np.all(np.diff(loss[np.arange(len(widths)), best]) < 0), loss
-    sp_wide = lr_sweep(mup.resize(mup.variant(cfg, "sp"), "width", widths[-1]), lrs, 150)
-    assert np.nanargmin(sp_wide) <= best[0] - 1, (loss, sp_wide)
+    lrs = [2.0**k for k in range(-10, -3)]
+    loss = np.stack([lr_sweep(mup.resize(cfg, "width", w), lrs, 150) for w in (64, 512)])
+    narrow, wide = map(plots.optimum, loss)
+    assert 0 < narrow < len(lrs) - 1 and 0 < wide < len(lrs) - 1, loss  # bracketed
+    assert abs(wide - narrow) <= 1, (narrow, wide, loss)
+    assert np.nanmin(loss[1]) < np.nanmin(loss[0]), loss
+    sp = mup.variant(cfg, "sp")
+    sp_narrow, sp_wide = (plots.optimum(lr_sweep(mup.resize(sp, "width", w), lrs, 150))
+                          for w in (64, 256))
+    assert sp_wide <= sp_narrow - 2, (sp_narrow, sp_wide)
 
 
 def test_optimum_is_the_vertex_between_grid_points():

@@ -151,7 +151,8 @@ def readme(doc: dict) -> str:
     """DIR/README.md: every number from the JSON."""
     st = doc["settings"]
     lines = [f"# muP evidence: {doc['config_name']}", "",
-             f"Made by `python mup.py evidence --out=DIR --config={doc['config_name']}` at commit "
+             f"Made by `python mup.py evidence --out=DIR --config={doc['config_name']}"
+             f"{''.join(' ' + o for o in doc['overrides'])}` at commit "
              f"{doc['commit']}{' (with uncommitted changes)' * doc['dirty']}. Generated from "
              "evidence.json, which holds each part's full settings: do not edit, rerun. "
              "Method and reading: ../mup.md.", ""]

@@ -196,11 +196,18 @@ def test_optimum_is_the_vertex_between_grid_points():
     assert plots.optimum([None, float("nan")]) is None
 
 
-def test_docs_mup_evidence_is_current():
-    """docs/mup/evidence.json holds the settings (full resolved configs, sizes, steps, seeds, LRs) that
-    `python mup.py evidence --out=docs/mup` would run now, a result for every size, and the README made from
-    them: otherwise the evidence is stale, and this names the fields that differ."""
-    doc = json.loads((ROOT / "docs" / "mup" / "evidence.json").read_text())
+EVIDENCE = sorted(p.parent.relative_to(ROOT) for p in (ROOT / "docs").rglob("evidence.json"))
+
+
+@pytest.mark.parametrize("where", EVIDENCE, ids=map(str, EVIDENCE))
+def test_docs_mup_evidence_is_current(where):
+    """Each evidence.json under docs/ (docs/mup, and a variant's in docs/variants) holds the settings
+    (full resolved configs, sizes, steps, seeds, LRs) that its recorded `python mup.py evidence` command
+    would run now, a result for every size, and the README made from them: otherwise the evidence is
+    stale, and this names the fields that differ and the command that remakes it."""
+    doc = json.loads((ROOT / where / "evidence.json").read_text())
+    command = " ".join(["python mup.py evidence", f"--out={where}", f"--config={doc['config_name']}",
+                        *doc["overrides"]])
     # a Config field added after the evidence was made is its default there (as launch.py reads an
     # older run's config.json): a new option, off by default, does not change what was measured
     defaults = json.loads(json.dumps(dataclasses.asdict(configs.Config())))
@@ -210,10 +217,10 @@ def test_docs_mup_evidence_is_current():
     cfg = configs.apply_overrides(configs.load(doc["config_name"]), doc["overrides"])
     now = mup.settings(dataclasses.replace(cfg, mesh_replica=1, kernels=False))
     stale = plots.differences(doc["settings"], now)
-    assert not stale, f"docs/mup is stale ({', '.join(stale)} differ): python mup.py evidence --out=docs/mup"
+    assert not stale, f"{where} is stale ({', '.join(stale)} differ): {command}"
     missing = [(p, s) for p, v in now.items() for s in v["sizes"] if str(s) not in doc["results"].get(p, {})]
-    assert not missing, f"docs/mup lacks {missing}: rerun python mup.py evidence --out=docs/mup to finish it"
-    assert (ROOT / "docs" / "mup" / "README.md").read_text() == plots.readme(doc)
+    assert not missing, f"{where} lacks {missing}: rerun {command} to finish it"
+    assert (ROOT / where / "README.md").read_text() == plots.readme(doc)
 
 
 def test_staleness_names_the_differing_fields():

@@ -177,8 +177,8 @@ def readme(doc: dict) -> str:
                      f"| {worst:.3f} | {name}, step {t} |")
     lines += ["", "## Learning-rate sweeps", "",
               "Per size: the best LR's place on the grid (0 = the first LR below), between grid "
-              "points (the LR there; plots.optimum: the parabola through the best LR and its neighbours), and "
-              "the validation loss there. Drift: the largest minus the smallest place, in grid "
+              "points (the LR there; plots.optimum: the parabola through the best LR and its "
+              "neighbours), and the validation loss there. Drift: the largest minus the smallest place, in grid "
               "steps (factors of 2), and whether it moves one way as the size grows.", ""]
     for axis in ("width", "depth"):
         parts = [p for p in st if st[p]["kind"] == "sweep" and st[p]["axis"] == axis]

@@ -239,7 +239,8 @@ def test_attention_implementations_match_a_naive_reference():
     for b in range(2):
         want = naive(q[b], k[b], v[b], causal)
         with jax.default_matmul_precision("highest"):
-            np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8)), want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8)), want,
+                                       rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(M.attend(q[b], k[b], v[b], 1 / math.sqrt(8), mask_TS=window),
                                        naive(q[b], k[b], v[b], window), rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(jax.nn.dot_product_attention(q[b], k[b], v[b], is_causal=True),

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 import configs
-from configs import Config, RunError, UsageError
+from configs import Config
+from run.errors import RunError, UsageError
 
 # with --torch: JAX and PyTorch are timed in this many alternating blocks, and medians reported
 TORCH_BLOCKS = 6
@@ -91,13 +92,13 @@ def time_torch(step, steps: int) -> float:
 
 
 def kernels_in(gpt) -> dict[str, str]:
-    """{model.py function: the kernels.py fast path that kernels.select chose for it here}."""
-    import kernels
+    """{model.py function: the kernels/fast_paths.py fast path that fast_paths.select chose for it here}."""
+    from kernels import fast_paths
 
     attn, mlp = gpt.blocks.attn, gpt.blocks.mlp
     fast = {"attend": attn.fast_attend, "qk_norm_rope": attn.fast_qk_norm_rope,
             "gelu": mlp.fast_gelu}
-    what = {path.fn: path.what for path in kernels.FAST_PATHS}
+    what = {path.fn: path.what for path in fast_paths.FAST_PATHS}
     return {name: what.get(fn, "?") for name, fn in fast.items() if fn}
 
 
@@ -134,12 +135,12 @@ def time_to(cfg: Config, target: float, rundir: str | None) -> dict:
 
 def time_checkpoint(cfg: Config, state: tuple, where: str) -> dict:
     """Seconds to save `state` as training does, waiting until it is written, and milliseconds for
-    written.py's record of its files and the check of them at restore: what telling damage from
+    run/written.py's record of its files and the check of them at restore: what telling damage from
     another model costs."""
     from etils import epath
 
-    import checkpoint
-    import written
+    from run import checkpoint
+    from run import written
 
     mngr = checkpoint.checkpoint_manager(epath.Path(where).absolute(), cfg)
     t0 = time.perf_counter()
@@ -162,7 +163,8 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
     import numpy as np
     from jax.sharding import NamedSharding
 
-    import metrics
+    import params
+    from run import metrics
     import train
 
     cfg.check(jax.device_count())
@@ -176,7 +178,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
     first_s, state = time_calls(s.step, (s.model, s.opt_state), (x, y), sharding, 1)
     _, state = time_calls(s.step, state, (x, y), sharding, 2)
     if with_torch:
-        from bench_torch import torch_step
+        from tools.bench_torch import torch_step
 
         # alternating blocks, so that the machine's drift over the run hits both alike
         torch_fn, blocks, jax_s, torch_s = torch_step(cfg), min(TORCH_BLOCKS, steps), [], []
@@ -197,7 +199,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
               file=sys.stderr)
         print("\n".join(f"{ms:9.3f}  {name}" for name, ms in ops.items()), file=sys.stderr)
     device = jax.devices()[0]
-    flops = metrics.flops_per_token(s.model, cfg.block_size)
+    flops = params.flops_per_token(s.model, cfg.block_size)
     tokens_per_s = cfg.batch_size * cfg.block_size / step_s
     peak = metrics.peak_flops(device)
     memory = device.memory_stats() or {}
@@ -235,7 +237,7 @@ def main() -> None:
                     help="also trace 3 calls into DIR; print the costliest ops to stderr")
     ap.add_argument("--checkpoint", metavar="DIR",
                     help="also save the state as a checkpoint into DIR (a new directory) and time "
-                         "it, with the record of its files (written.py) and the check at restore")
+                         "it, with the record of its files (run/written.py) and the check at restore")
     ap.add_argument("--time-to", type=float, metavar="LOSS",
                     help="train instead; the wall time to the first val loss <= LOSS")
     ap.add_argument("--rundir", help="with --time-to: the run directory (default: a new one)")
@@ -257,7 +259,7 @@ def main() -> None:
             except OSError as e:
                 raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
         import train  # after parsing, as launch.py: a typo should not wait for jax to load
-        from rundir import git_state
+        from run.rundir import git_state
 
         if args.time_to is not None:
             result = time_to(cfg, args.time_to, args.rundir)

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-import corpus
-import tokenization
-from configs import Config, UsageError
+from text import corpus
+from text import tokenization
+from configs import Config
+from run.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent
 SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
@@ -80,9 +81,9 @@ def prepare_shakespeare_char(out: Path) -> None:
 
 def prepare_text(out: Path, source: str, text_field: str = "text",
                  val_fraction: float | None = None, tokenizer: str = "gpt2") -> None:
-    """The tokens of a HF dataset id or local files (corpus.py), each document followed by the
+    """The tokens of a HF dataset id or local files (text/corpus.py), each document followed by the
     end-of-text id, split by shuffled documents as nanoGPT's prepare.py does. tokenizer:
-    tokenization.py's for_documents (GPT-2's BPE by tiktoken, a tokenizer.json, or a Hub id)."""
+    text/tokenization.py's for_documents (GPT-2's BPE by tiktoken, a tokenizer.json, or a Hub id)."""
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise UsageError(f"--val_fraction={val_fraction} is not between 0 and 1")
     record, vocab_size, encode = tokenization.for_documents(tokenizer)

@@ -2,176 +2,18 @@
     python eval.py --rundir=RUN --tasks=hellaswag,lambada,path/to/task.jsonl [--step=N]
     [--limit=N] [--batch_size=B]
 
-A task is a local JSONL file (one example a line) or a name in HF_TASKS, downloaded by `datasets`:
-- multiple choice (HellaSwag, PIQA, Winogrande style): {"context": str, "choices": [str, ...],
-  "label": int}. Each choice is scored by the log-likelihood of its tokens after the context's
-  (a choice carries its own leading space): acc picks the highest sum, acc_norm the highest sum
-  per character of the choice (lm-evaluation-harness's acc_norm).
-- last word (LAMBADA style): {"text": str}. The continuation is the last space-separated word
-  (with its space): acc counts texts whose every word token is the argmax, ppl is
-  exp(-mean log-likelihood of the word).
-Tokens as lm-evaluation-harness makes them: encode(context + continuation), the continuation
-being what follows encode(context); the last block_size + 1 tokens are kept. Scored in jitted
-batches of fixed shape, split over all devices (the batch axis), so one compilation serves all.
-"""
+prints one JSON line of accuracies. The task formats and how they are scored:
+inference/tasks.py."""
 import argparse
-import functools
 import json
-import math
 import sys
-from pathlib import Path
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-import data
-import sample
-from configs import Config, UsageError
-
-# name -> (HF dataset id, split, record -> our format); lm-eval's preprocessing, simplified
-HF_TASKS = {
-    "hellaswag": ("Rowan/hellaswag", "validation", lambda r: {
-        "context": f"{r['activity_label']}: {r['ctx']}",
-        "choices": [" " + e for e in r["endings"]], "label": int(r["label"])}),
-    "lambada": ("EleutherAI/lambada_openai", "test", lambda r: {"text": r["text"]}),
-}
-
-
-def load_task(name: str, limit: int | None = None) -> list[dict]:
-    """A task's examples: a local JSONL file, or an HF_TASKS name (needs internet once)."""
-    if name in HF_TASKS:
-        import datasets
-
-        source, split, convert = HF_TASKS[name]
-        try:
-            records = datasets.load_dataset(source, split=split)
-        except Exception as e:  # offline, say
-            raise UsageError(f"task {name}: cannot load {source} ({type(e).__name__}); "
-                             "get internet once, or pass a local .jsonl") from None
-        examples = [convert(r) for r in records.select(range(min(limit or len(records),
-                                                                 len(records))))]
-    elif Path(name).is_file():
-        lines = filter(str.strip, Path(name).read_text().splitlines())
-        examples = [json.loads(line) for line in lines][:limit]
-    else:
-        raise UsageError(f"task {name!r} is neither a file nor one of {', '.join(HF_TASKS)}")
-    for i, ex in enumerate(examples):
-        if not ("text" in ex or {"context", "choices", "label"} <= set(ex)):
-            raise UsageError(f"task {name}, example {i + 1}: needs context, choices and label "
-                             "(multiple choice) or text (last word); see eval.py's docstring")
-    return examples
-
-
-def requests(examples: list[dict]) -> list[tuple[str, str]]:
-    """The (context, continuation) pairs to score, example after example, choice after choice."""
-    pairs = []
-    for ex in examples:
-        if "text" in ex:
-            context, word = ex["text"].rsplit(" ", 1)
-            pairs.append((context, " " + word))
-        else:
-            pairs += [(ex["context"], choice) for choice in ex["choices"]]
-    return pairs
-
-
-def tokenize(pairs, encode, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Inputs, targets and the continuation's mask, (N, T) each, right-padded: lm-eval's
-    encoding, with the context's trailing spaces moved to the continuation as it does."""
-    x, y, m = (np.zeros((len(pairs), T), np.int32) for _ in range(3))
-    for i, (context, continuation) in enumerate(pairs):
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole, n_context = encode(context + continuation), len(encode(context))
-        n_cont = len(whole) - n_context
-        if not 0 < n_cont <= T:
-            raise UsageError(f"{continuation!r} is {n_cont} tokens: a continuation must be 1 to "
-                             f"block_size={T} tokens")
-        tokens = whole[-(T + 1):]
-        n = len(tokens) - 1
-        x[i, :n], y[i, :n] = tokens[:-1], tokens[1:]
-        m[i, n - n_cont:n] = 1
-    return x, y, m
-
-
-@eqx.filter_jit
-def score(model, x_BT, y_BT, m_BT, n_vocab):
-    """Each row's summed log-likelihood of its masked targets, and whether all are the argmax.
-    The model's padded vocabulary is left out of the softmax (no tokenizer id is there)."""
-    logits_BTV = jax.vmap(model)(x_BT)
-    valid_V = jnp.arange(logits_BTV.shape[-1]) < n_vocab
-    logp_BTV = jax.nn.log_softmax(jnp.where(valid_V, logits_BTV, -jnp.inf), axis=-1)
-    logp_BT = jnp.take_along_axis(logp_BTV, y_BT[..., None], axis=-1)[..., 0]
-    greedy_BT = jnp.argmax(logp_BTV, axis=-1) == y_BT
-    return (logp_BT * m_BT).sum(-1), jnp.all(greedy_BT | (m_BT == 0), axis=-1)
-
-
-def loglikelihoods(model, x, y, m, n_vocab: int, sharding, batch: int):
-    """score over all rows, `batch` at a time, the batch split as `sharding` says."""
-    rows = len(x)
-    pad = -rows % batch
-    x, y, m = (np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) for a in (x, y, m))
-    lls, greedy = [], []
-    for i in range(0, len(x), batch):
-        xb, yb, mb = jax.device_put((x[i:i + batch], y[i:i + batch], m[i:i + batch]), sharding)
-        ll, g = score(model, xb, yb, mb, n_vocab)
-        lls.append(ll), greedy.append(g)
-    lls, greedy = jax.device_get((lls, greedy))
-    return np.concatenate(lls)[:rows].astype(np.float64), np.concatenate(greedy)[:rows]
-
-
-def metrics(examples: list[dict], lls: np.ndarray, greedy: np.ndarray) -> dict[str, float]:
-    """acc and acc_norm (multiple choice), or acc and ppl (last word), from requests' order."""
-    if "text" in examples[0]:
-        return {"acc": float(greedy.mean()), "ppl": math.exp(-lls.mean())}
-    acc, acc_norm, i = [], [], 0
-    for ex in examples:
-        ll = lls[i:i + len(ex["choices"])]
-        i += len(ex["choices"])
-        acc.append(np.argmax(ll) == ex["label"])
-        chars = np.array([len(c) for c in ex["choices"]], np.float64)
-        acc_norm.append(np.argmax(ll / chars) == ex["label"])
-    return {"acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm))}
-
-
-class Tasks:
-    """The tasks tokenized once (a run evaluates them at every interval)."""
-
-    def __init__(self, names: list[str], meta: dict, T: int, limit: int | None = None):
-        encode = sample.tokenizer(meta)[0]
-        self.n_vocab = meta["vocab_size"]
-        self.tasks = {}
-        for name in names:
-            examples = load_task(name, limit)
-            if examples:
-                task = Path(name).stem if name not in HF_TASKS else name
-                self.tasks[task] = examples, tokenize(requests(examples), encode, T)
-
-    def __call__(self, model, sharding, batch: int) -> dict[str, float]:
-        """{"TASK/acc": ..., ...} of the model, its batch sharded as `sharding` says."""
-        out = {}
-        for task, (examples, (x, y, m)) in self.tasks.items():
-            lls, greedy = loglikelihoods(model, x, y, m, self.n_vocab, sharding, batch)
-            out |= {f"{task}/{k}": v for k, v in metrics(examples, lls, greedy).items()}
-        return out
-
-
-@functools.cache  # tokenized once per run
-def training_tasks(cfg: Config) -> Tasks:
-    return Tasks(cfg.eval_tasks.split(","), data.read_meta(cfg), cfg.block_size)
-
-
-def log_in_training(model, cfg: Config, step: int, mesh, logger) -> None:
-    """train.py's hook at each evaluation: cfg.eval_tasks scored and logged (tensorboard's
-    eval/TASK/METRIC) when the step is a multiple of eval_tasks_interval, or the last."""
-    if not cfg.eval_tasks or (step % cfg.eval_tasks_interval and step != cfg.max_steps):
-        return
-    sharding = NamedSharding(mesh, P(("replica", "fsdp")))  # the batch over all devices
-    scores = training_tasks(cfg)(model, sharding, cfg.microbatch_size)
-    logger.log(step, scores, {k: f"eval/{k}" for k in scores})
+from inference.tasks import Tasks
+from run.errors import UsageError
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -186,12 +28,15 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from etils import epath
 
+    from run import reading
+
     try:
         rundir = epath.Path(args.rundir)
-        cfg = sample.read_config(rundir)
-        tasks = Tasks(args.tasks.split(","), sample.read_dataset_record(rundir, cfg),
+        cfg = reading.read_config(rundir)
+        meta = reading.read_dataset_record(rundir, cfg)
+        tasks = Tasks(args.tasks.split(","), reading.tokenizer(meta)[0], meta["vocab_size"],
                       cfg.block_size, args.limit)
-        model, step = sample.restore_model(rundir, cfg, args.step)
+        model, step = reading.restore_model(rundir, cfg, args.step)
     except UsageError as e:
         sys.exit(f"error: {e}")
     mesh = jax.make_mesh((jax.device_count(),), ("batch",), axis_types=(AxisType.Auto,))

@@ -21,9 +21,10 @@ import equinox as eqx
 import numpy as np
 from etils import epath
 
-import sample
-import tokenization
-from configs import Config, UsageError
+from run import reading
+from text import tokenization
+from configs import Config
+from run.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent
 # The Config fields of the architecture variants (docs/variants.md) and the values
@@ -119,10 +120,10 @@ def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool =
     """Write the HF directory; returns the checkpoint's step. Bad input: UsageError."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise UsageError(f"--out={out} exists and is not empty: pass --force to overwrite it")
-    cfg = sample.read_config(rundir)
+    cfg = reading.read_config(rundir)
     check_exportable(cfg)
-    meta = sample.read_dataset_record(rundir, cfg)
-    model, step = sample.restore_model(rundir, cfg, step)
+    meta = reading.read_dataset_record(rundir, cfg)
+    model, step = reading.restore_model(rundir, cfg, step)
     write(model, cfg, meta, out)
     return step
 

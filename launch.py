@@ -13,8 +13,9 @@ import sys
 from etils import epath
 
 import configs
-from configs import RunError, UsageError, apply_overrides
-from rundir import open_rundir
+from configs import apply_overrides
+from run.errors import RunError, UsageError
+from run.rundir import open_rundir
 
 MULTIHOST = ("coordinator_address", "num_processes", "process_id")  # jax.distributed's arguments
 
@@ -47,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
             raise UsageError("--multihost needs --rundir: the default's timestamp differs by host")
         import jax  # after parsing: a typo should not wait for jax to load
 
-        import distributed
+        from run import distributed
 
         if args.multihost:  # before anything else starts jax's backends
             distributed.join(*(getattr(args, f) for f in MULTIHOST))
-        import checkpoint
+        from run import checkpoint
         import data
         import params
         import train

@@ -4,7 +4,7 @@ Shapes: B batch, T time, S key positions, D model width, H heads, G key/value he
 F mlp width, V vocab, L layers; MUDD: C streams, J states. Modules see one sequence (T tokens);
 train.py adds the batch with jax.vmap.
 
-The functions here are the definition of the math. kernels.py may hold a fused version of some
+The functions here are the definition of the math. kernels/fast_paths.py may hold a fused version of some
 (attend, qk_norm_rope, gelu); a run uses one only after checking it against the function here, so
 an edit to this file always runs (kernels.select).
 """

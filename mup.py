@@ -30,10 +30,11 @@ import configs
 import data
 import model as M
 import params
-import plots
-import rundir
+from tools import plots
+from run import rundir
 import train
-from configs import Config, RunError, UsageError
+from configs import Config
+from run.errors import RunError, UsageError
 
 # name: (what it measures, the axis it varies, the model). "sp" is SP as people run it, "nodepth"
 # muP with CompleteP's rules off (depth_base = n_layer at every depth).

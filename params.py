@@ -13,18 +13,22 @@ import jax.numpy as jnp
 from jax import Array
 from jax.sharding import PartitionSpec as P
 
-from configs import Config, UsageError
+from configs import Config
+from run.errors import UsageError
 from model import GPT
 
 
-def init_gpt(cfg: Config, key: Array, fast: dict[str, Callable] | None = None) -> GPT:
+def init_gpt(cfg: Config, key: Array, fast: dict[str, Callable] | None = None,
+             table=None) -> GPT:
     """A GPT whose parameters are drawn as the policy table says: init_mean + init_std * N(0, 1),
-    and whose forward multipliers (muP's and CompleteP's) are static fields set from the config."""
+    and whose forward multipliers (muP's and CompleteP's) are static fields set from the config.
+    table: policy_table's, when the caller has built it already."""
     skeleton = eqx.filter_eval_shape(GPT, cfg, fast)  # shapes only: eager zeros would each compile
     params, static = eqx.partition(skeleton, is_param)
     leaves, treedef = jax.tree.flatten(params)
     is_policy = lambda x: isinstance(x, Policy)
-    rows = jax.tree.leaves(policy_table(skeleton, cfg), is_leaf=is_policy)
+    table = policy_table(skeleton, cfg) if table is None else table
+    rows = jax.tree.leaves(table, is_leaf=is_policy)
     specs = tuple((x.shape, row.init_mean, row.init_std) for x, row in zip(leaves, rows))
     return eqx.combine(jax.tree.unflatten(treedef, draw(key, specs)), static)
 
@@ -130,6 +134,21 @@ def check(cfg: Config) -> None:
     policy_table(eqx.filter_eval_shape(GPT, cfg), cfg)
 
 
-def partition_specs(model: GPT, cfg: Config):
+def partition_specs(table):
+    """The PartitionSpec of each parameter, from policy_table's table."""
     is_policy = lambda x: isinstance(x, Policy)
-    return jax.tree.map(lambda p: P(*p.spec), policy_table(model, cfg), is_leaf=is_policy)
+    return jax.tree.map(lambda p: P(*p.spec), table, is_leaf=is_policy)
+
+
+def flops_per_token(model: GPT, T: int) -> float:
+    """Model FLOPs per token, forward + backward, from the model's own arrays: 6N + 12·L·H·K·T
+    (PaLM app. B). N: every matrix a token is multiplied by (the blocks' and the readout, not the
+    embedding lookup nor the gains); 12·L·H·K·T: attention's scores and their use, full T x T."""
+    arrays = jax.tree.leaves(eqx.filter(model.blocks, is_param))
+    N = sum(math.prod(x.shape) for x in arrays if len(x.shape) >= 3)  # (L, ...) matrices
+    N += math.prod(model.embeddings().unembed.shape)
+    D = model.embeddings().unembed.shape[1]
+    for c in model.mudd or ():  # MUDD: W1, W2, and C x J weights of a D-vector per token
+        N += c.w1.size + c.w2.size + c.b.size * D
+    L, H, K, _ = model.blocks.attn.out.shape
+    return 6 * N + 12 * L * H * K * T

@@ -18,16 +18,16 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from tqdm import tqdm
 
 import data
-import eval as downstream
-import kernels
-import sample
-from checkpoint import checkpoint_manager, one_line, resume, save_checkpoint
-from configs import Config, RunError, UsageError
-from distributed import stop_signals
-from metrics import Logger, Tally, peak_flops
-from metrics import flops_per_token
+from configs import Config
+from inference import decode, tasks
+from kernels import fast_paths
 from model import GPT
-from params import Policy, init_gpt, partition_specs, policy_table
+from params import Policy, flops_per_token, init_gpt, partition_specs, policy_table
+from run.checkpoint import checkpoint_manager, one_line, resume, save_checkpoint
+from run.distributed import stop_signals
+from run.errors import RunError, UsageError
+from run.metrics import Logger, Tally, peak_flops
+from text import tokenization
 
 BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): B split over all the devices
 
@@ -108,7 +108,7 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> jax.Ar
     and the loss a group of sequences at a time, recomputed in the backward pass (jax.checkpoint),
     so the float32 (B, T, V) logits never exist whole."""
     chunks = cfg.loss_chunks
-    h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=kernels.batch_axes())(x_BT)
+    h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=fast_paths.batch_axes())(x_BT)
 
     def chunk_loss(h_btD, y_bt):
         logits_btV = jax.vmap(model.logits)(h_btD)
@@ -181,7 +181,7 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
 
     def step(model: GPT, opt_state, x_GBT, y_GBT):
         params = eqx.filter(model, eqx.is_array)
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # kernels.per_device reads it
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # fast_paths.per_device reads it
             params, opt_state, metrics = jitted(params, opt_state, x_GBT, y_GBT)
         if block:
             jax.block_until_ready(metrics)
@@ -218,11 +218,12 @@ class Setup(NamedTuple):
 
 def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     """The initial model and optimizer state, sharded over the mesh, and the train step."""
-    model = init_gpt(cfg, jax.random.key(cfg.seed), kernels.select(cfg, mesh))
-    specs = partition_specs(model, cfg)
-    model_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    fast = fast_paths.select(cfg, mesh)
+    table = policy_table(eqx.filter_eval_shape(GPT, cfg, fast), cfg)  # once: init, specs, optimizer
+    model = init_gpt(cfg, jax.random.key(cfg.seed), fast, table)
+    model_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(table))
     model = eqx.filter_shard(model, model_sharding)
-    optimizer = make_optimizer(cfg, policy_table(model, cfg))
+    optimizer = make_optimizer(cfg, table)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     replicated = lambda _: NamedSharding(mesh, P())
     opt_sharding = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, model_sharding,
@@ -255,6 +256,10 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     cfg.check(jax.device_count())
     mesh = make_mesh(cfg)
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
+    meta = data.read_meta(cfg)
+    encode, decode_text = tokenization.load(meta["tokenizer"])  # once a run: preview and tasks
+    eval_tasks = tasks.Tasks(cfg.eval_tasks.split(","), encode, meta["vocab_size"],
+                             cfg.block_size) if cfg.eval_tasks else None
     model, opt_state, step_fn, _, _ = setup(cfg, mesh)
     with one_line(f"reading the checkpoints in {rundir}"):
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
@@ -277,8 +282,9 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         record = evaluate(model, cfg, train_tokens, val_tokens, mesh)
         record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s}
         logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
-        downstream.log_in_training(model, cfg, step, mesh, logger)  # cfg.eval_tasks, when due
-        text = sample.preview(model, cfg, val_tokens[:8].tolist())  # from the val split's start
+        tasks.log_in_training(eval_tasks, model, cfg, step, mesh, logger)  # when due
+        text = decode.preview(model, cfg, val_tokens[:8].tolist(), decode_text,  # the val start
+                              meta["vocab_size"])
         logger.text(step, "sample", f"```\n{text}\n```")  # a markdown code block keeps line breaks
         say(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         return record

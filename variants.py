@@ -65,12 +65,12 @@ def measure(rundir: Path, args: list[str]) -> dict:
     import jax
     from etils import epath
 
-    import checkpoint
+    from run import checkpoint
     import configs
     import data
-    import metrics
+    from run import metrics
     import params
-    import sample
+    from inference import decode
     import train
 
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on a read-only manager
@@ -87,10 +87,10 @@ def measure(rundir: Path, args: list[str]) -> dict:
         val[n] = train.evaluate(gpt, longer, tokens["train"], tokens["val"], mesh)["val_loss"]
     lines = [json.loads(x) for x in (rundir / "metrics.jsonl").read_text().splitlines()]
     speeds = [x["tokens_per_s"] for x in lines if x.get("tokens_per_s") and "loss" in x]
-    cache = sample.empty_cache(gpt, 1)
+    cache = decode.empty_cache(gpt, 1)
     return {"val_loss": val[1], "val_loss_at": val,
             "params": sum(x.size for x in jax.tree.leaves(eqx.filter(gpt, eqx.is_array))),
-            "flops_per_token": metrics.flops_per_token(gpt, cfg.block_size),
+            "flops_per_token": params.flops_per_token(gpt, cfg.block_size),
             "kv_cache_bytes_per_token": sum(x.nbytes for x in jax.tree.leaves(cache)),
             "step_ms": 1e3 * cfg.batch_size * cfg.block_size / statistics.median(speeds)}
 

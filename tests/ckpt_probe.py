@@ -14,7 +14,7 @@ from etils import epath  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import train  # noqa: E402
-from checkpoint import (checkpoint_manager, restore_checkpoint, restore_model,  # noqa: E402
+from run.checkpoint import (checkpoint_manager, restore_checkpoint, restore_model,  # noqa: E402
                         save_checkpoint)
 from conftest import tiny  # noqa: E402
 from params import init_gpt  # noqa: E402

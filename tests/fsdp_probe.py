@@ -1,6 +1,6 @@
 """Run by test_train.py in a subprocess with N simulated devices: one train step of a tiny model,
 saving the loss, the gradients and the updated parameters to an .npz, and asserting that every
-FSDP-sharded parameter is split N ways. A 4th argument "kernels": every fast path of kernels.py
+FSDP-sharded parameter is split N ways. A 4th argument "kernels": every fast path of fast_paths.py
 applies (Pallas in its interpreter, attention by jax's XLA version), as on a GPU; FIELD=VALUE
 arguments after it override the config (the variants)."""
 import sys
@@ -23,23 +23,23 @@ cfg = tiny(d_model=64, n_head=4, batch_size=16, mesh_replica=int(sys.argv[3]) if
 cfg = configs.apply_overrides(cfg, [f"--config.{a}" for a in sys.argv[4:] if "=" in a])
 if "kernels" in sys.argv[4:]:
     import dataclasses
-    import kernels
-    import pallas_qk_norm_rope
+    from kernels import fast_paths
+    from kernels import pallas_qk_norm_rope
     pallas_qk_norm_rope.ROWS = 8
-    kernels.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in kernels.FAST_PATHS
-                          if p.fn is not kernels.splash_attend]  # TPU's attention: test_kernels
+    fast_paths.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in fast_paths.FAST_PATHS
+                          if p.fn is not fast_paths.splash_attend]  # TPU's attention: test_kernels
 assert jax.device_count() == n
 mesh = train.make_mesh(cfg)
 s = train.setup(cfg, mesh)
 if sys.argv[4:] == ["kernels"]:
-    assert s.model.blocks.attn.fast_qk_norm_rope is kernels.fused_qk_norm_rope
-    assert s.model.blocks.mlp.fast_gelu is kernels.recomputing_gelu
+    assert s.model.blocks.attn.fast_qk_norm_rope is fast_paths.fused_qk_norm_rope
+    assert s.model.blocks.mlp.fast_gelu is fast_paths.recomputing_gelu
 rng = np.random.default_rng(0)
 x = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 y = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 batch = jax.device_put((x, y), NamedSharding(mesh, train.BATCH_SPEC))
 grad_fn = eqx.filter_grad(lambda model, x, y: train.loss_fn(model, x, y, cfg))
-with jax.set_mesh(mesh):  # as train.py's step: the kernels run per device (kernels.per_device)
+with jax.set_mesh(mesh):  # as train.py's step: the kernels run per device (fast_paths.per_device)
     grads = eqx.filter_jit(grad_fn)(s.model, batch[0][0], batch[1][0])
     jaxpr = eqx.filter_make_jaxpr(grad_fn)(s.model, batch[0][0], batch[1][0])[0]
 

@@ -19,10 +19,10 @@ from etils import epath
 
 import configs
 import train
-from checkpoint import checkpoint_manager, restore_checkpoint, restore_model, save_checkpoint
-from configs import UsageError
+from run.checkpoint import checkpoint_manager, restore_checkpoint, restore_model, save_checkpoint
+from run.errors import UsageError
 from conftest import ROOT, TINY_RUN, tiny
-from metrics import Logger
+from run.metrics import Logger
 from params import init_gpt
 
 TINY = [*TINY_RUN, "--config.eval_batches=2", "--config.log_interval=4",

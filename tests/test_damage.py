@@ -12,14 +12,14 @@ import pytest
 from etils import epath
 
 import train
-from checkpoint import checkpoint_manager, resume, save_checkpoint
-from configs import UsageError
+from run.checkpoint import checkpoint_manager, resume, save_checkpoint
+from run.errors import UsageError
 from conftest import tiny
-from metrics import Logger
+from run.metrics import Logger
 import test_checkpoint
 from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, final_state,
                              launch_args, records, run, tiny_config)
-from written import damage
+from run.written import damage
 
 env = test_checkpoint.env  # its fixture: the launches share one compilation cache
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import data
-import sample
-from configs import UsageError
+from run import reading
+from run.errors import UsageError
 from conftest import run, tiny
 
 
@@ -21,7 +21,7 @@ def test_shakespeare_char_counts(shakespeare):
     assert meta["dtype"] == "uint16"
     train = data.load_split(tiny(), "train")
     assert isinstance(train, np.memmap) and train.size == 1_003_854
-    encode, decode = sample.tokenizer(meta)
+    encode, decode = reading.tokenizer(meta)
     text = (shakespeare / "input.txt").read_text()
     assert decode(train[:1000].tolist()) == text[:1000]  # the bins hold the text itself
     line = "First Citizen:\nBefore we proceed any further, hear me speak."

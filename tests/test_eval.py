@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from etils import epath
 
-import eval as downstream
+from inference import tasks as downstream
 import export
-import sample
+from run import reading
 from conftest import ROOT, TINY_RUN, run
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -33,10 +33,11 @@ def exported(shakespeare, tmp_path_factory):
     assert r.returncode == 0, r.stderr[-2000:]
     rundir = epath.Path(root / "run")
     export.export(rundir, root / "hf")
-    cfg = sample.read_config(rundir)
-    model, _ = sample.restore_model(rundir, cfg, None)
-    tasks = downstream.Tasks([str(p) for p in TASKS.values()],
-                             sample.read_dataset_record(rundir, cfg), cfg.block_size)
+    cfg = reading.read_config(rundir)
+    model, _ = reading.restore_model(rundir, cfg, None)
+    meta = reading.read_dataset_record(rundir, cfg)
+    tasks = downstream.Tasks([str(p) for p in TASKS.values()], reading.tokenizer(meta)[0],
+                             meta["vocab_size"], cfg.block_size)
     return model, root / "hf", tasks, rundir
 
 

@@ -13,9 +13,10 @@ import pytest
 from etils import epath
 
 import export
-import sample
+from inference import decode
+from run import reading
 from conftest import TINY_RUN, run, tiny
-from configs import UsageError
+from run.errors import UsageError
 from test_model import random_gpt
 from test_variants import VARIANTS
 
@@ -57,8 +58,8 @@ def runs(shakespeare, tmp_path_factory):
 
 def load(rundir, hf_dir):
     """The JAX model (float32, on one device) and the exported one as transformers loads it."""
-    cfg = dataclasses.replace(sample.read_config(epath.Path(rundir)), compute_dtype="float32")
-    model, _ = sample.restore_model(epath.Path(rundir), cfg, None)
+    cfg = dataclasses.replace(reading.read_config(epath.Path(rundir)), compute_dtype="float32")
+    model, _ = reading.restore_model(epath.Path(rundir), cfg, None)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
     return model, cfg, hf.eval(), tokenizer
@@ -67,7 +68,7 @@ def load(rundir, hf_dir):
 @pytest.mark.parametrize("name", list(RUNS))
 def test_pytorch_logits_equal_jax_logits(runs, name):
     model, cfg, hf, tokenizer = load(*runs[name])
-    encode, _ = sample.tokenizer(sample.read_dataset_record(epath.Path(runs[name][0]), cfg))
+    encode, _ = reading.tokenizer(reading.read_dataset_record(epath.Path(runs[name][0]), cfg))
     ids = encode(TEXT[:cfg.block_size])
     assert tokenizer(TEXT[:cfg.block_size])["input_ids"] == ids  # the same tokenizer
     want_TV = np.asarray(model(jnp.asarray(ids)))
@@ -91,7 +92,7 @@ def test_greedy_generate_equals_sample_py(runs):
 def assert_greedy_generate_equals_sample_py(model, cfg, hf, prompt: list[int]) -> None:
     """hf.generate's greedy tokens after prompt, to the end of the block, are sample.py's."""
     n = cfg.block_size - len(prompt)
-    want = sample.generate(model, sample.prompt_window(prompt, cfg.block_size), jax.random.key(0),
+    want = decode.generate(model, decode.prompt_window(prompt, cfg.block_size), jax.random.key(0),
                            jnp.float32(0.0), num_samples=1, max_new_tokens=n, n_vocab=65)
     want = np.asarray(want)[0].tolist()
     with torch.no_grad():
@@ -121,7 +122,7 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
 
 def test_gpt2_tokenizer_export_encodes_as_tiktoken():
     """The exported GPT-2 tokenizer (built from tiktoken's own ranks) against tiktoken."""
-    import tokenization
+    from text import tokenization
 
     hf_tok = export.hf_tokenizer({"tokenizer": {"kind": "tiktoken", "encoding": "gpt2"}})
     enc = tokenization.encoding("gpt2")

@@ -1,4 +1,4 @@
-"""kernels.py's fast paths against model.py's functions and written-out references: on one
+"""kernels/fast_paths.py's fast paths against model.py's functions and written-out references: on one
 device, sharded over 8 simulated ones (Pallas in its interpreter), and the self-check's fallback."""
 import dataclasses
 import math
@@ -18,13 +18,12 @@ from test_model import numpy_forward, random_gpt
 def every_kernel(monkeypatch):
     """kernels.FAST_PATHS as if on one GPU: the Pallas kernel in its interpreter (8-token blocks, so
     a sequence spans two), attention by jax.nn.dot_product_attention's XLA version."""
-    import kernels
-    import pallas_qk_norm_rope
+    from kernels import fast_paths, pallas_qk_norm_rope
     monkeypatch.setattr(pallas_qk_norm_rope, "ROWS", 8)
-    paths = [dataclasses.replace(p, applies=lambda cfg: True) for p in kernels.FAST_PATHS
-             if p.fn is not kernels.splash_attend]  # the TPU's attention: its own test
-    monkeypatch.setattr(kernels, "FAST_PATHS", paths)
-    return kernels
+    paths = [dataclasses.replace(p, applies=lambda cfg: True) for p in fast_paths.FAST_PATHS
+             if p.fn is not fast_paths.splash_attend]  # the TPU's attention: its own test
+    monkeypatch.setattr(fast_paths, "FAST_PATHS", paths)
+    return fast_paths
 
 
 def layer_norm_rope_written_out(x, gain, base=10000.0):
@@ -43,7 +42,7 @@ def test_the_pallas_kernel_is_layer_norm_then_rope(monkeypatch, G):
     """pallas_qk_norm_rope on q (T, H, K) and k (T, G, K), grouped-query and one key head
     included: its forward against numpy, its hand-written backward against autodiff of
     model.qk_norm_rope (gains too), in Pallas's interpreter with two blocks of tokens."""
-    import pallas_qk_norm_rope as pallas
+    from kernels import pallas_qk_norm_rope as pallas
     monkeypatch.setattr(pallas, "ROWS", 8)
     T, H, K = 16, 4, 16
     keys = jax.random.split(jax.random.key(0), 6)
@@ -65,14 +64,14 @@ def test_the_pallas_kernel_is_layer_norm_then_rope(monkeypatch, G):
 def test_splash_attention_matches_model_attend(G):
     """The TPU's attention, splash attention, in Pallas's interpreter on the CPU: causal, all heads
     or grouped-query, outputs and gradients against model.attend's."""
-    import kernels
+    from kernels import fast_paths
     T, H, K = 128, 4, 16
     keys = jax.random.split(jax.random.key(G), 4)
     q = jax.random.normal(keys[0], (T, H, K))
     k, v = (jax.random.normal(key, (T, G, K)) for key in keys[1:3])
     scale = 1 / K  # muP's 1/K: a power of two, so q * scale is exact
     cotangent = jax.random.normal(keys[3], (T, H, K))
-    got, got_pullback = jax.vjp(lambda *a: kernels.splash_attend(*a, scale), q, k, v)
+    got, got_pullback = jax.vjp(lambda *a: fast_paths.splash_attend(*a, scale), q, k, v)
     want, want_pullback = jax.vjp(lambda *a: M.attend(*a, scale), q, k, v)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_pullback(cotangent), want_pullback(cotangent), strict=True):
@@ -81,12 +80,12 @@ def test_splash_attention_matches_model_attend(G):
 
 def test_splash_attention_applies_on_a_tpu_without_alibi(monkeypatch):
     """ALiBi's bias has no input in splash attention: model.attend runs there."""
-    import kernels
-    monkeypatch.setattr(kernels, "on_tpu", lambda: True)
-    assert kernels.splash_applies(tiny(block_size=256, n_kv_head=1))
-    assert not kernels.splash_applies(tiny(block_size=256, position="alibi"))
-    monkeypatch.setattr(kernels, "on_tpu", lambda: False)
-    assert not kernels.splash_applies(tiny(block_size=256))
+    from kernels import fast_paths
+    monkeypatch.setattr(fast_paths, "on_tpu", lambda: True)
+    assert fast_paths.splash_applies(tiny(block_size=256, n_kv_head=1))
+    assert not fast_paths.splash_applies(tiny(block_size=256, position="alibi"))
+    monkeypatch.setattr(fast_paths, "on_tpu", lambda: False)
+    assert not fast_paths.splash_applies(tiny(block_size=256))
 
 
 SHAREDKV_GQA = dict(attention="sharedkv", n_head=4, n_kv_head=2, d_model=64)
@@ -96,14 +95,14 @@ SHAREDKV_GQA = dict(attention="sharedkv", n_head=4, n_kv_head=2, d_model=64)
                          ids=["mha-unrolled", "sharedkv-gqa-scan"])
 def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, remat, unroll,
                                                          variant):
-    """The model with every fast path kernels.select accepts: the forward against the numpy
+    """The model with every fast path fast_paths.select accepts: the forward against the numpy
     reference, and every gradient (the Pallas kernel's is written by hand) against autodiff of
     model.py's own functions, with the remat and scan the XL config uses (there with SharedKV keys
     of 2 heads for 4 query heads)."""
     import train
-    kernels = every_kernel(monkeypatch)
+    fast_paths = every_kernel(monkeypatch)
     cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll, **variant)
-    fast = kernels.select(cfg)
+    fast = fast_paths.select(cfg)
     assert set(fast) == {"attend", "qk_norm_rope", "gelu"}
     assert "attend, qk_norm_rope, gelu fused" in capsys.readouterr().err
     plain, fused = random_gpt(cfg), random_gpt(cfg, fast=fast)  # the same arrays
@@ -125,23 +124,23 @@ def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
     """The self-check against an edited reference: RoPE's rotation turned the other way (a real
     edit a kernel cannot know of) and the attention's logits doubled. Each fast path standing in
     for an edited function is set aside with one line, and the model runs the edit."""
-    kernels = every_kernel(monkeypatch)
+    fast_paths = every_kernel(monkeypatch)
     cfg = tiny()
     plain_rope, plain_attend = M.rope, M.attend
     monkeypatch.setattr(M, "rope", lambda x, cos, sin: plain_rope(x, cos, -sin))
-    assert set(kernels.select(cfg)) == {"attend", "gelu"}
+    assert set(fast_paths.select(cfg)) == {"attend", "gelu"}
     line = capsys.readouterr().err.splitlines()[0]
     assert line.startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, model.qk_norm_rope "
                            "runs instead: its output differs by ")
     monkeypatch.setattr(M, "attend", lambda q, k, v, scale, mask=None, bias=None:
                         plain_attend(q, k, v, 2 * scale, mask, bias))
-    assert set(kernels.select(cfg)) == {"gelu"}
+    assert set(fast_paths.select(cfg)) == {"gelu"}
     assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().err
-    assert kernels.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
+    assert fast_paths.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
     assert capsys.readouterr().err == ""
     # A signature the kernel cannot be called like is set aside too, not a crash
     monkeypatch.setattr(M, "attend", lambda q, k, v: plain_attend(q, k, v, 1.0))
-    assert "attend" not in kernels.select(cfg)
+    assert "attend" not in fast_paths.select(cfg)
     assert "model.py's function does not take the kernel's inputs" in capsys.readouterr().err
 
 
@@ -149,15 +148,15 @@ def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys)
     """kernels.recomputing_gelu runs model.gelu whatever it says, forward and backward: with GELU
     edited to its exact (erf) form, the check passes and the kernel computes the edit, values and
     derivative against the erf GELU written out in numpy."""
-    kernels = every_kernel(monkeypatch)
+    fast_paths = every_kernel(monkeypatch)
     monkeypatch.setattr(M, "gelu", lambda x: jax.nn.gelu(x, approximate=False))
-    assert "gelu" in kernels.select(tiny())
+    assert "gelu" in fast_paths.select(tiny())
     x = np.linspace(-4, 4, 101)
     cdf = 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
     pdf = np.exp(-x**2 / 2) / math.sqrt(2 * math.pi)
     x32 = x.astype(np.float32)
-    np.testing.assert_allclose(kernels.recomputing_gelu(x32), x * cdf, rtol=1e-5, atol=1e-6)
-    grad = jax.grad(lambda x: jnp.sum(kernels.recomputing_gelu(x)))(x32)
+    np.testing.assert_allclose(fast_paths.recomputing_gelu(x32), x * cdf, rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(fast_paths.recomputing_gelu(x)))(x32)
     np.testing.assert_allclose(grad, cdf + x * pdf, rtol=1e-4, atol=1e-5)
 
 
@@ -181,28 +180,29 @@ SHARDED_CHECK = """
 import dataclasses, jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
-import kernels, model, pallas_qk_norm_rope, train
+import model, train
+from kernels import fast_paths, pallas_qk_norm_rope
 from conftest import tiny
 pallas_qk_norm_rope.ROWS = 8
-kernels.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in kernels.FAST_PATHS
+fast_paths.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in fast_paths.FAST_PATHS
                       if p.name != "attend"]  # attention's paths: the tests above
 cfg = tiny(n_head=4, d_model=64, n_kv_head=2)
 mesh = train.make_mesh(cfg)
-assert set(kernels.select(cfg, mesh)) == {"qk_norm_rope", "gelu"}
+assert set(fast_paths.select(cfg, mesh)) == {"qk_norm_rope", "gelu"}
 plain_rope = model.rope
 model.rope = lambda x, cos, sin: plain_rope(x, cos, -sin)
-assert set(kernels.select(cfg, mesh)) == {"gelu"}
+assert set(fast_paths.select(cfg, mesh)) == {"gelu"}
 model.rope = plain_rope
 
 def first_device_only(x):  # right on the first device's sequences, wrong on the others'
-    axes = kernels.batch_axes()
+    axes = fast_paths.batch_axes()
     if axes is None:  # one device
         return model.gelu(x)
-    return kernels.per_device(lambda x: model.gelu(x) * (1 + jax.lax.axis_index(axes)), x)
+    return fast_paths.per_device(lambda x: model.gelu(x) * (1 + jax.lax.axis_index(axes)), x)
 
-kernels.FAST_PATHS[-1] = dataclasses.replace(kernels.FAST_PATHS[-1], fn=first_device_only)
-assert "gelu" in kernels.select(cfg)  # on one device: no mesh, no shard_map, right
-assert set(kernels.select(cfg, mesh)) == {"qk_norm_rope"}
+fast_paths.FAST_PATHS[-1] = dataclasses.replace(fast_paths.FAST_PATHS[-1], fn=first_device_only)
+assert "gelu" in fast_paths.select(cfg)  # on one device: no mesh, no shard_map, right
+assert set(fast_paths.select(cfg, mesh)) == {"qk_norm_rope"}
 """
 
 

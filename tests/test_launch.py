@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import configs
-from configs import UsageError
+from run.errors import UsageError
 from conftest import ROOT, run
 
 # The CPU split into 2 devices, as a user splits it to train data-parallel on 2 cores

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import metrics
+from run import metrics
 import model as M
 import params
 from conftest import tiny
@@ -218,7 +218,7 @@ def test_flops_per_token_follow_an_edited_mlp(monkeypatch):
     L, D, F, V, T = 3, 32, round(32 * 8 / 3), cfg.model_vocab, 16
     gpt = eqx.filter_eval_shape(M.GPT, cfg)
     want = 6 * (L * (3 * D * D + D * D + 3 * D * F) + V * D) + 12 * L * D * T
-    assert metrics.flops_per_token(gpt, T) == want
+    assert params.flops_per_token(gpt, T) == want
 
 
 def test_attention_implementations_match_a_naive_reference():
@@ -246,9 +246,9 @@ def test_attention_implementations_match_a_naive_reference():
             np.testing.assert_allclose(jax.nn.dot_product_attention(q[b], k[b], v[b], is_causal=True),
                                        want, rtol=1e-5, atol=1e-5)
         if jax.default_backend() == "gpu":
-            import kernels
+            from kernels import fast_paths
             bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-            out = kernels.cudnn_attend(bf(q[b]), bf(k[b]), bf(v[b]), 1 / math.sqrt(8))
+            out = fast_paths.cudnn_attend(bf(q[b]), bf(k[b]), bf(v[b]), 1 / math.sqrt(8))
             np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2)
 
 

@@ -14,7 +14,7 @@ from etils import epath
 
 import configs
 import train
-from checkpoint import checkpoint_manager, restore_checkpoint
+from run.checkpoint import checkpoint_manager, restore_checkpoint
 from conftest import ROOT, TINY_RUN
 
 STEPS = 10

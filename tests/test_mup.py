@@ -16,7 +16,7 @@ import pytest
 import configs
 import mup
 import params
-import plots
+from tools import plots
 import train
 from conftest import ROOT, run, tiny
 

@@ -12,6 +12,7 @@ import pytest
 
 import data
 import sample
+from inference import decode
 import train
 from conftest import run as run_process, tiny
 from test_model import random_gpt
@@ -51,7 +52,7 @@ def greedy_by_recomputation(model, prompt: list[int], n: int, S: int) -> list[in
 
 def run(model, cfg, prompt: list[int], seed=0, temperature=1.0, **settings) -> np.ndarray:
     settings = {"num_samples": 2, "max_new_tokens": 60, "n_vocab": N_VOCAB, **settings}
-    return np.asarray(sample.generate(model, sample.prompt_window(prompt, cfg.block_size), jax.random.key(seed),
+    return np.asarray(decode.generate(model, decode.prompt_window(prompt, cfg.block_size), jax.random.key(seed),
                                       jnp.float32(temperature), **settings))
 
 
@@ -72,8 +73,8 @@ def test_extend_gives_the_full_forward_logits():
     model = random_gpt(cfg)
     tokens_T = jnp.asarray(np.random.default_rng(0).integers(0, N_VOCAB, 16))
     want_TV = np.asarray(model(tokens_T))
-    extend = eqx.filter_jit(sample.extend)  # compiled once for the prefill and once for the steps
-    x_TD, cache = extend(model, sample.empty_cache(model, 16), tokens_T[:5], 0)
+    extend = eqx.filter_jit(decode.extend)  # compiled once for the prefill and once for the steps
+    x_TD, cache = extend(model, decode.empty_cache(model, 16), tokens_T[:5], 0)
     got = [model.logits(x_TD)]
     for t in range(5, 16):
         x_1D, cache = extend(model, cache, tokens_T[t:t + 1], jnp.int32(t))
@@ -89,7 +90,7 @@ def test_alibi_decodes_past_block_size_as_its_full_forward():
     model, S = random_gpt(cfg), 3 * cfg.block_size
     prompt = [18, 47, 56, 57, 58]
     want = greedy_by_recomputation(model, prompt, 40, S)
-    got = sample.generate(model, sample.prompt_window(prompt, S), jax.random.key(0),
+    got = decode.generate(model, decode.prompt_window(prompt, S), jax.random.key(0),
                           jnp.float32(0.0), num_samples=1, max_new_tokens=40, n_vocab=N_VOCAB)
     assert np.asarray(got)[0].tolist() == want
 
@@ -113,7 +114,7 @@ def test_low_temperature_approaches_greedy(trained):
     logits_V = jnp.array([2.0, 1.5, 0.0, 1.0])
     keys = jax.random.split(jax.random.key(0), 4000)
     for t in (1.0, 0.3, 0.1):
-        top = np.mean(jax.vmap(lambda k: sample.pick(logits_V, k, jnp.float32(t), 4, 0, 1.0))(keys) == 0)
+        top = np.mean(jax.vmap(lambda k: decode.pick(logits_V, k, jnp.float32(t), 4, 0, 1.0))(keys) == 0)
         assert top == pytest.approx(float(jax.nn.softmax(logits_V / t)[0]), abs=0.025)
     model, cfg = trained
     greedy = run(model, cfg, [0], temperature=0.0)
@@ -128,7 +129,7 @@ def test_pick_draws_only_from_the_top_k_and_the_nucleus():
     def draws(**kw):
         kw = {"n_vocab": 4, "top_k": 0, "top_p": 1.0, **kw}
         temperature = kw.pop("temperature", 1.0)
-        return np.bincount(jax.vmap(lambda k: sample.pick(logits_V, k, temperature, **kw))(keys), minlength=5) / len(keys)
+        return np.bincount(jax.vmap(lambda k: decode.pick(logits_V, k, temperature, **kw))(keys), minlength=5) / len(keys)
 
     assert draws()[[0, 4]].tolist() == pytest.approx([0.05, 0.0], abs=0.02)
     assert draws(top_k=2).tolist() == pytest.approx([0, 0.5 / 0.8, 0, 0.3 / 0.8, 0], abs=0.04)
@@ -142,7 +143,7 @@ def test_pick_draws_only_from_the_top_k_and_the_nucleus():
 
 @pytest.fixture(scope="module")
 def run_dir(shakespeare, tmp_path_factory):
-    """A run directory as launch.py leaves it: config.json, event files and (with checkpoint.py) a
+    """A run directory as launch.py leaves it: config.json, event files and (with run/checkpoint.py) a
     checkpoint of steps 5 and 10, from 10 steps of a tiny model with evaluations at 0, 5 and 10."""
     cfg = tiny(max_steps=10, eval_interval=5, ckpt_interval=5)
     rundir = tmp_path_factory.mktemp("run")

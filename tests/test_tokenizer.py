@@ -33,7 +33,7 @@ def bpe(shakespeare, tmp_path_factory):
 
 
 def test_meta_records_the_tokenizer_and_the_ids_round_trip(bpe):
-    import sample
+    from run import reading
 
     tok, out = bpe
     meta = json.loads((out / "meta.json").read_text())
@@ -42,7 +42,7 @@ def test_meta_records_the_tokenizer_and_the_ids_round_trip(bpe):
     assert meta["tokenizer"]["eos"] == eos
     ids = np.fromfile(out / "train.bin", dtype=meta["dtype"])
     assert ids.max() < 300 and (ids == eos).sum() > 100  # one separator after each paragraph
-    encode, decode = sample.tokenizer(meta)
+    encode, decode = reading.tokenizer(meta)
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak."
     assert encode(text) == tok.encode(text).ids and decode(encode(text)) == text
     # the bins hold the paragraphs, each followed by the separator: decoded, the text itself

@@ -200,7 +200,7 @@ def test_copy_sends_the_repo_without_runs_data_git_and_bytecode(stub):
 
 def test_copy_records_the_commit_for_run_json(stub, monkeypatch):
     """The copy has no .git: .mugpt_git says which commit it is and whether the tree was dirty, and
-    rundir.py's git_state reads it there (git finds no repository in the copy)."""
+    run/rundir.py's git_state reads it there (git finds no repository in the copy)."""
     repo = stub / "repo"
     shutil.rmtree(repo / ".git")
     git = lambda *args: subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args],
@@ -209,7 +209,7 @@ def test_copy_records_the_commit_for_run_json(stub, monkeypatch):
     git("add", "-A")
     git("commit", "-q", "-m", "x")
     head = git("rev-parse", "HEAD")
-    import rundir
+    from run import rundir
 
     for dirty in (False, True):
         if dirty:

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from metrics import flops_per_token
+from params import flops_per_token
 from model import GPT
 import params
 from params import init_gpt

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import metrics
+from run import metrics
 import model as M
-import sample
+from inference import decode
 import params
 from conftest import ROOT, TINY_RUN, run, tiny
 from test_checkpoint import env, final_state, launch_args, records, tiny_config  # noqa: F401
@@ -97,16 +97,16 @@ def test_kv_cache_decoding_equals_the_full_forward(name):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 65, 16))
     want = np.asarray(model(tokens))
     hidden = eqx.filter_jit(lambda m, t, start, c: m.hidden(t, start, c))
-    x, cache = hidden(model, tokens[:5], 0, sample.empty_cache(model, 16))
+    x, cache = hidden(model, tokens[:5], 0, decode.empty_cache(model, 16))
     got = [model.logits(x)]
     for t in range(5, 16):
         x, cache = hidden(model, tokens[t:t + 1], jnp.int32(t), cache)
         got.append(model.logits(x))
     np.testing.assert_allclose(np.concatenate(got), want, rtol=1e-4, atol=1e-4)
-    mha = sample.empty_cache(M.GPT(tiny(block_size=16, n_head=4)), 16)
+    mha = decode.empty_cache(M.GPT(tiny(block_size=16, n_head=4)), 16)
     nbytes = lambda c: sum(a.nbytes for a in jax.tree.leaves(c))
     G = cfg.kv_heads / cfg.n_head
-    assert nbytes(sample.empty_cache(model, 16)) == nbytes(mha) * G / (2 if "sharedkv" in str(VARIANTS[name]) else 1)
+    assert nbytes(decode.empty_cache(model, 16)) == nbytes(mha) * G / (2 if "sharedkv" in str(VARIANTS[name]) else 1)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -186,4 +186,4 @@ def test_flops_per_token_count_each_variants_matrices(name):
         C, J = (3 if i < L - 1 else 1), i + 2
         N += D * C * J + (C * J) ** 2 + C * J * D
     gpt = eqx.filter_eval_shape(M.GPT, cfg)
-    assert metrics.flops_per_token(gpt, T) == 6 * N + 12 * L * H * K * T
+    assert params.flops_per_token(gpt, T) == 6 * N + 12 * L * H * K * T

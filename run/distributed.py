@@ -13,7 +13,7 @@ import traceback
 
 import jax
 
-from configs import RunError, UsageError
+from run.errors import RunError, UsageError
 
 
 def join(coordinator_address: str | None, num_processes: int | None,

@@ -13,7 +13,8 @@ from pathlib import Path
 from etils import epath
 
 import configs
-from configs import Config, UsageError
+from configs import Config
+from run.errors import UsageError
 
 ROOT = Path(__file__).resolve().parent
 
@@ -105,7 +106,7 @@ def record_dataset(rundir: epath.Path, meta: dict, where) -> None:
     """RUNDIR/dataset.json: the dataset's meta.json as the run first trained on it. sample.py
     decodes with it whatever becomes of the dataset; a resume on a dataset prepared again (another
     vocabulary, other token counts: other text behind the same ids and offsets) is refused."""
-    from checkpoint import saved_steps
+    from run.checkpoint import saved_steps
 
     path = rundir / "dataset.json"
     try:  # compared once the run has saved a step: a launch that failed before may bring a new one

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from configs import UsageError
+from run.errors import UsageError
 
 # What a folder is searched for; a glob's matches are text unless .json/.jsonl.
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")

@@ -12,7 +12,7 @@ turns every fast path off.
   Pallas splash attention (causal; not ALiBi, whose bias it has no input for).
 - gelu: model.gelu whose backward recomputes it, where the layers are unrolled (GPU): XLA otherwise
   keeps GELU's tanh as a second (B, T, F) output of the forward, written and read back.
-- qk_norm_rope: pallas_qk_norm_rope.py's kernel for the QK-LayerNorm and RoPE (GPU).
+- qk_norm_rope: kernels/pallas_qk_norm_rope.py's kernel for the QK-LayerNorm and RoPE (GPU).
 
 Several devices: a kernel (a pallas_call, cuDNN's call) runs inside jax.shard_map on each
 device's own sequences (per_device), so 1, 2 or 8 devices run the same kernel on their share.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
-import pallas_qk_norm_rope as pallas
+from kernels import pallas_qk_norm_rope as pallas
 from configs import Config
 
 # Largest relative error (norm of the difference over the norm of model.py's result) a fast path
@@ -229,7 +229,7 @@ def attend_example(cfg: Config, key: jax.Array) -> tuple:
 
 
 def fused_qk_norm_rope(q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope):
-    """model.qk_norm_rope by pallas_qk_norm_rope.py's kernel, where queries and keys share
+    """model.qk_norm_rope by kernels/pallas_qk_norm_rope.py's kernel, where queries and keys share
     positions and rotation tables and the shapes fit its blocks (ALiBi has no tables; sample.py's
     decoding steps differ: model.py's function takes those)."""
     (T, _, K), S = q_THK.shape, k_TGK.shape[0]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from configs import RunError
+from run.errors import RunError
 
 TITLES = {"mup": "muP + CompleteP", "sp": "SP", "nodepth": "muP, depth rules off"}
 

@@ -1,6 +1,6 @@
 """What a checkpoint's save wrote: each file's size, and the CRC32 of the small ones (orbax's
 metadata), recorded in the step's RECORD just before orbax commits the step, and checked when it
-is restored (checkpoint.py): a file cut short or lost, or metadata altered, is damage, told apart
+is restored (run/checkpoint.py): a file cut short or lost, or metadata altered, is damage, told apart
 from a readable checkpoint of another model.
 """
 import json

@@ -1,10 +1,10 @@
 """Checkpoints: the train state saved and restored with orbax.
 
 A checkpoint is RUNDIR/checkpoints/STEP: the model and optimizer state (each process writes its
-own shards) and the host-side Tally of the step metrics (metrics.py), so a resumed run continues
+own shards) and the host-side Tally of the step metrics (run/metrics.py), so a resumed run continues
 exactly where the saved one was. sample.py restores the model alone (restore_model).
 
-A restore checks a checkpoint's files against the record of what its save wrote (written.py), so
+A restore checks a checkpoint's files against the record of what its save wrote (run/written.py), so
 that damage (a file cut short or lost, metadata altered) is told from a checkpoint of another
 model (check_fits); resume() sets a damaged one aside and goes back to the newest intact one.
 """
@@ -24,9 +24,10 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from configs import Config, RunError, UsageError
+from configs import Config
+from run.errors import RunError, UsageError
 from model import GPT
-from written import damage, files, record_pending
+from run.written import damage, files, record_pending
 
 
 def checkpoint_manager(rundir: epath.Path, cfg: Config,

@@ -4,18 +4,15 @@ a run resumes from, so a resumed run reads as one uninterrupted run; and the dev
 peaks that MFU is measured against, and the model's FLOPs per token it counts.
 """
 import json
-import math
 import time
 import uuid
 
-import equinox as eqx
 import jax
 import numpy as np
 from etils import epath
 
-from configs import Config, RunError
-from model import GPT
-from params import is_param
+from configs import Config
+from run.errors import RunError
 
 
 class Logger:
@@ -162,17 +159,3 @@ PEAK_FLOPS = [("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("v4", 275e1
 def peak_flops(device) -> float | None:
     """None where no datasheet peak is known (a CPU): MFU is then reported as unknown."""
     return next((peak for name, peak in PEAK_FLOPS if name in device.device_kind), None)
-
-
-def flops_per_token(model: GPT, T: int) -> float:
-    """Model FLOPs per token, forward + backward, from the model's own arrays: 6N + 12·L·H·K·T
-    (PaLM app. B). N: every matrix a token is multiplied by (the blocks' and the readout, not the
-    embedding lookup nor the gains); 12·L·H·K·T: attention's scores and their use, full T x T."""
-    arrays = jax.tree.leaves(eqx.filter(model.blocks, is_param))
-    N = sum(math.prod(x.shape) for x in arrays if len(x.shape) >= 3)  # (L, ...) matrices
-    N += math.prod(model.embeddings().unembed.shape)
-    D = model.embeddings().unembed.shape[1]
-    for c in model.mudd or ():  # MUDD: W1, W2, and C x J weights of a D-vector per token
-        N += c.w1.size + c.w2.size + c.b.size * D
-    L, H, K, _ = model.blocks.attn.out.shape
-    return 6 * N + 12 * L * H * K * T

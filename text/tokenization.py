@@ -5,7 +5,7 @@ in the record (a run directory's dataset.json then holds it, whatever happens to
 from pathlib import Path
 from typing import Callable
 
-from configs import UsageError
+from run.errors import UsageError
 
 # end-of-text tokens that separate documents, looked for in this order in a HF tokenizer
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")

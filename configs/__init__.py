@@ -186,7 +186,8 @@ class Config:
              f"head_dim={self.head_dim} (d_model/n_head) is odd; "
              f"RoPE rotates pairs, so pick an even one"),
             (n_devices % self.mesh_replica,
-             f"mesh_replica={self.mesh_replica} does not divide the {n_devices} devices"),
+             f"mesh_replica={self.mesh_replica} does not divide the {n_devices} devices "
+             f"(on a CPU, JAX_NUM_CPU_DEVICES=N splits it into N devices)"),
             (self.batch_size % (n_devices * self.grad_accum),
              f"batch_size={self.batch_size} is not divisible by devices x grad_accum = "
              f"{n_devices} x {self.grad_accum}"),
@@ -251,8 +252,11 @@ def available() -> list[str]:
 def load(name: str) -> Config:
     """The `config` of configs/<name>.py; a module that fails is one line naming the file."""
     if name not in available():
-        if name.endswith(".py"):
-            hint = f"--config={name[:-3]}"
+        # a path (configs/x.py) or a near miss: name the spelling that works
+        stem = name.removeprefix("./").removeprefix("configs/").removesuffix(".py")
+        near = [stem] if stem in available() else difflib.get_close_matches(stem, available(), 3)
+        if near:
+            hint = f"did you mean {' or '.join(f'--config={n}' for n in near)}?"
         else:
             hint = f"available: {', '.join(available())}"
         raise UsageError(f"unknown config {name!r}; {hint}")

@@ -3,6 +3,7 @@ written to metrics.jsonl and tensorboard event files (Logger), both trimmed back
 a run resumes from, so a resumed run reads as one uninterrupted run; and the devices' datasheet
 peaks that MFU is measured against, and the model's FLOPs per token it counts.
 """
+import html
 import json
 import time
 import uuid
@@ -24,7 +25,8 @@ class Logger:
     of lines, which the tensorboard events still hold), not at every log (O(lines^2) bytes over a
     run)."""
 
-    def __init__(self, rundir: epath.Path, start: int, wandb_project: str = ""):
+    def __init__(self, rundir: epath.Path, start: int, wandb_project: str = "",
+                 config: dict | None = None):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
@@ -46,7 +48,7 @@ class Logger:
         self.lines = [line for line in old.splitlines(keepends=True)
                       if line.endswith("\n") and 0 <= logged_step(line) <= start]
         self.rewrite()
-        self.wandb = wandb_run(rundir, wandb_project) if wandb_project else None
+        self.wandb = wandb_run(rundir, wandb_project, config) if wandb_project else None
 
     def rewrite(self) -> None:
         """The whole file, written aside and renamed into place: a kill never leaves half of it."""
@@ -82,6 +84,10 @@ class Logger:
 
         self.tb.add_event(self.event(wall_time=time.time(), step=step, summary=text_pb(tag, text)))
         self.tb.flush()
+        if self.wandb:  # a text panel in wandb too, as tensorboard's Text tab
+            import wandb
+
+            self.wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
 
     def close(self) -> None:
         if not self.local:
@@ -91,17 +97,19 @@ class Logger:
             self.wandb.finish()
 
 
-def wandb_run(rundir: epath.Path, project: str):
+def wandb_run(rundir: epath.Path, project: str, config: dict | None):
     """A Weights & Biases run (--config.wandb_project) beside tensorboard, imported only when
     asked for. Its id is kept in RUNDIR/wandb_id, so a resumed run continues the same one
-    (wandb drops the steps it already has: those after the checkpoint are not rewritten)."""
+    (wandb drops the steps it already has: those after the checkpoint are not rewritten). It gets
+    the resolved config, as nanoGPT passes its own, so runs can be filtered by their settings."""
     import wandb
 
     path = rundir / "wandb_id"
     run_id = path.read_text().strip() if path.exists() else uuid.uuid4().hex[:12]
     path.write_text(run_id)
     local = None if str(rundir).startswith("gs://") else str(rundir)
-    return wandb.init(project=project, id=run_id, resume="allow", dir=local, name=rundir.name)
+    return wandb.init(project=project, id=run_id, resume="allow", dir=local, name=rundir.name,
+                      config=config)
 
 
 def logged_step(line: str) -> int:

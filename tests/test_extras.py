@@ -36,4 +36,7 @@ def test_wandb_offline_and_a_resumed_run_continues_the_same_wandb_run(shakespear
     for p in runs:  # wandb's own record files hold the logged tags
         records = (p / f"run-{run_id}.wandb").read_bytes()
         assert b"loss/batch" in records and b"loss/val" in records
+        # the resolved config (fields the command line does not name) and the text sample
+        assert b"rope_base" in records and b"vocab_multiple" in records
+        assert b"sample" in records
     assert json.loads((rundir / "config.json").read_text())["wandb_project"] == "mugpt"

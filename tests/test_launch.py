@@ -146,12 +146,16 @@ BAD_INPUTS = [
     (["--config.dataset=nodata"], "prepare it with `python data.py nodata`"),
     (["--config.loss_chunks=5"], "loss_chunks=5 does not divide the 12 sequences of a microbatch"),
     (["--config.vocab_size=50"], "beyond the model's vocab_size=50; set --config.vocab_size=65"),
-    (["--config.mesh_replica=3"], "mesh_replica=3 does not divide the 2 devices"),
+    (["--config.mesh_replica=3"], "mesh_replica=3 does not divide the 2 devices (on a CPU, "
+                                  "JAX_NUM_CPU_DEVICES=N splits it"),
     (["--config.learning_rate=1e39"],
      "learning_rate=1e+39 and min_lr=0.0002 must be finite in float32"),
     (["--config.adam_eps=0"], "adam_eps=0.0 must be > 0"),
     (["--config=shakespeare_char_cpu.py"],
-     "unknown config 'shakespeare_char_cpu.py'; --config=shakespeare_char_cpu"),
+     "unknown config 'shakespeare_char_cpu.py'; did you mean --config=shakespeare_char_cpu?"),
+    (["--config=configs/shakespeare_char_cpu.py"],
+     "unknown config 'configs/shakespeare_char_cpu.py'; did you mean --config=shakespeare_char_cpu?"),
+    (["--config=shakespere_char_cpu"], "did you mean --config=shakespeare_char_cpu or"),
     # multi-host flags: without --multihost each host would train alone into the shared run
     # directory
     (["--process_id=1", "--num_processes=2", "--coordinator_address=127.0.0.1:1234"],

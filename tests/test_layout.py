@@ -1,0 +1,82 @@
+"""The house's rules, read from the source: the root holds the core and the commands, a folder or
+the core never imports a command, a command never imports another, and no import cycle. Every
+import counts, those inside functions too (some are there to fail fast before JAX loads)."""
+import ast
+import sys
+from pathlib import Path
+
+from conftest import ROOT
+
+CORE = {"launch", "model", "params", "train", "data"}  # and configs/, tpu_scripts/
+COMMANDS = {"launch", "sample", "eval", "export", "bench", "mup", "variants"}
+
+
+def modules() -> dict[str, Path]:
+    """Dotted module name -> file, for the repo's own Python (tests aside)."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "data", "runs", "exports") or rel.parts[0].startswith("."):
+            continue
+        name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+        out[name] = path
+    return out
+
+
+def imports(path: Path, own: set[str]) -> set[str]:
+    """The repo's modules that path imports (a package's module for `from pkg import mod`)."""
+    found = set()
+    package = ".".join(path.relative_to(ROOT).parent.parts)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from .configuration_mugpt import ...
+                base = ".".join(filter(None, [package, base]))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in own}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(path, set(mods)) - {name} for name, path in mods.items()}
+
+
+def test_the_root_holds_the_core_and_the_commands_only():
+    root = {p.stem for p in ROOT.glob("*.py")}
+    assert root <= CORE | COMMANDS | {"params"}, root - CORE - COMMANDS
+    assert len(root) <= 12
+
+
+def test_no_folder_and_no_core_module_imports_a_command():
+    for name, deps in graph().items():
+        bad = deps & COMMANDS
+        assert not bad or name in COMMANDS and not bad - {name}, f"{name} imports {bad}"
+
+
+def test_no_import_cycle():
+    g = graph()
+    state = {}  # 1: on the path, 2: done
+
+    def visit(node, path):
+        state[node] = 1
+        for dep in sorted(g.get(node, ())):
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [node, dep]))
+            if dep not in state:
+                visit(dep, path + [node])
+        state[node] = 2
+
+    for node in sorted(g):
+        if node not in state:
+            visit(node, [])
+
+
+if __name__ == "__main__":  # who imports whom, for a reader (or a closing note)
+    sys.path.insert(0, str(ROOT))
+    for name, deps in sorted(graph().items()):
+        print(f"{name}: {', '.join(sorted(deps)) or '-'}")

@@ -5,12 +5,28 @@ import itertools
 import json
 import os
 import re
+import socket
 from pathlib import Path
 
 from run.errors import UsageError
 
 # What a folder is searched for; a glob's matches are text unless .json/.jsonl.
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
+
+
+def hub_reachable(source: str) -> None:
+    """One connection to the Hub first: offline, huggingface_hub would retry for half a minute,
+    printing a line a try, before datasets gives up."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+        return  # datasets reads its cache, if it has the dataset
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = re.sub(r"^\w+://", "", endpoint).split("/")[0]
+    try:
+        socket.create_connection((host.split(":")[0], 443), timeout=5).close()
+    except OSError as e:
+        raise UsageError(f"{source!r} is no local file, and the Hugging Face Hub ({host}) "
+                         f"cannot be reached ({e.strerror or e}): pass local files with "
+                         "--source=PATH, or set HF_HUB_OFFLINE=1 to use datasets' cache") from None
 
 
 def load(source: str, text_field: str):
@@ -39,6 +55,7 @@ def load(source: str, text_field: str):
         raise UsageError(f"no files in {source!r} (folders are searched for .txt/.json/.jsonl): "
                          "check it, or quote a glob")
     else:
+        hub_reachable(source)
         try:
             ds = datasets.load_dataset(source, split="train", trust_remote_code=False)
         except Exception as e:  # not found, no network, ...: datasets' own reason, on one line

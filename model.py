@@ -1,12 +1,14 @@
 """The GPT: token embedding -> L pre-norm blocks -> RMSNorm -> readout.
 
-Shapes: B batch, T time, S key positions, D model width, H heads, G key/value heads, K head dim,
-F mlp width, V vocab, L layers; MUDD: C streams, J states. Modules see one sequence (T tokens);
-train.py adds the batch with jax.vmap.
+Shapes: B batch, T time, S key positions, D model width, H heads, G key/value heads, R = H / G
+query heads per key/value head, N = H + 2G heads of the stacked q, k, v projection (H + G under
+SharedKV), K head dim, K2 = K / 2 RoPE's rotated pairs, F mlp width, V vocab, L layers; MUDD:
+C streams, J states, M = C * J its mixing width. Modules see one sequence (T tokens); train.py adds
+the batch with jax.vmap.
 
-The functions here are the definition of the math. kernels/fast_paths.py may hold a fused version of some
-(attend, qk_norm_rope, gelu); a run uses one only after checking it against the function here, so
-an edit to this file always runs (kernels.select).
+The functions here are the definition of the math. kernels/ may hold a fused version of some
+(attend, qk_norm_rope, gelu); a run uses one only after checking it against the function here
+where the model calls it, so an edit to this file always runs (kernels/fast_paths.py's select).
 """
 import math
 from typing import Callable, Literal, NamedTuple
@@ -240,7 +242,7 @@ class Connections(eqx.Module):
     def __call__(self, states_JTD: list[Array]) -> tuple[Array, ...]:
         (C, J), x_TD = self.b.shape, states_JTD[-1]
         h_TM = gelu(jnp.einsum("TD,DM->TM", rms_norm(x_TD, None), self.w1.astype(x_TD.dtype)))
-        a_TCJ = jnp.einsum("TM,MN->TN", h_TM, self.w2.astype(x_TD.dtype)).reshape(-1, C, J)
+        a_TCJ = (h_TM @ self.w2.astype(x_TD.dtype)).reshape(-1, C, J)  # w2: (M, M)
         a_TCJ = (a_TCJ + self.b + jnp.eye(J)[-1]).astype(x_TD.dtype)  # b is float32: keep bf16
         # sums of products rather than an einsum over the stacked states: the backward then keeps
         # the states (alive anyway), not a stacked copy per layer (L^2 T D memory)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 import data  # noqa: E402
 import train  # noqa: E402
-from configs import UsageError  # noqa: E402
+from run.errors import UsageError  # noqa: E402
 from conftest import tiny  # noqa: E402
 
 me = jax.process_index()

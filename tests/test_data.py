@@ -156,7 +156,7 @@ def test_offline_downloads_are_one_line(tmp_path, monkeypatch):
     # tiktoken fetches the GPT-2 files over https when its cache lacks them: an empty cache and a proxy that
     # refuses make that fail at once, as offline
     env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
-    code = "import tokenization; tokenization.encoding('gpt2')"
+    code = "from text import tokenization; tokenization.encoding('gpt2')"
     result = run(["-c", f"from configs import UsageError\ntry:\n {code}\nexcept UsageError as e:\n print(e)"], env=env, timeout=60)
     assert "cannot load tiktoken's gpt2 encoding" in result.stdout and "TIKTOKEN_CACHE_DIR" in result.stdout, result.stderr
 

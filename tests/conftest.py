@@ -16,6 +16,31 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
 
 import configs  # noqa: E402
 
+# The quick tier (python -m pytest -m quick tests): what a researcher runs after an edit of
+# model.py, before a long run, in under a minute on 2 cores: the model against its numpy reference,
+# causality, KV-cache decoding against the full forward, the loss and accumulation written out, a
+# train step on 1 and 2 devices, export's self-check, the house's rules. "file::test" (all its
+# parameters); the whole suite stays the CI command.
+QUICK = {
+    "test_model.py::test_forward_matches_numpy_reference",
+    "test_model.py::test_causal",
+    "test_sample.py::test_extend_gives_the_full_forward_logits",
+    "test_train.py::test_loss_is_cross_entropy_written_out",
+    "test_train.py::test_accumulation_equals_one_big_batch",
+    "test_devices.py::test_one_step_on_two_devices_equals_one_device",
+    "test_layout.py::test_no_folder_and_no_core_module_imports_a_command",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the edit-and-rerun tier (conftest.QUICK)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if f"{item.path.name}::{item.originalname}" in QUICK:
+            item.add_marker(pytest.mark.quick)
+
 
 # launch.py arguments for a tiny model on shakespeare_char, shared by the end-to-end runs. learning_rate
 # = min_lr keeps the schedule flat after warmup, so runs that differ only in max_steps take the same steps.

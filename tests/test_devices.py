@@ -1,0 +1,18 @@
+"""The quick tier's check that an edit of model.py still shards: one train step of a tiny model on
+1 device and on 2 (FSDP, every large parameter split in two) gives the same loss, gradients and
+updated parameters. test_train.py's test_fsdp_matches_one_device does the same on 8 devices."""
+import numpy as np
+
+from conftest import ROOT, run
+
+
+def test_one_step_on_two_devices_equals_one_device(tmp_path):
+    saved = []
+    for n in (1, 2):
+        saved.append(tmp_path / f"d{n}.npz")
+        r = run([str(ROOT / "tests/fsdp_probe.py"), str(n), str(saved[-1])])
+        assert r.returncode == 0, r.stderr[-2000:]
+    one, two = map(np.load, saved)
+    assert set(one.files) == set(two.files) and len(one.files) > 10
+    for name in one.files:
+        np.testing.assert_allclose(two[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)

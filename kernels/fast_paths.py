@@ -118,7 +118,7 @@ class Drawn:
     own) or not (RoPE's tables, ALiBi's bias, a mask: constants of the step)."""
 
     def __init__(self, x: jax.Array):
-        self.shape, self.dtype, self.varies = x.shape, jnp.dtype(x.dtype), False
+        self.shape, self.dtype, self.varies = x.shape, x.dtype, False
 
     def __repr__(self) -> str:
         return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
@@ -211,7 +211,10 @@ def drawn_in(call: Call) -> list[Drawn]:
 def check_at(path: FastPath, call: Call, cfg: Config, mesh: jax.sharding.Mesh | None
              ) -> str | None:
     """Why path is not model.py's function at this call of the model, or None."""
-    arrays, run = batch_on(mesh, cfg, functools.partial(call_example, call))
+    try:
+        arrays, run = batch_on(mesh, cfg, functools.partial(call_example, call))
+    except Exception as e:  # an argument of a kind draw() does not know
+        return f"the model's arguments could not be drawn ({first_line(e)}); it calls {call}"
     HANDED_BACK.clear()
     in_mesh = jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh else None
     with in_mesh or contextlib.nullcontext():
@@ -242,6 +245,8 @@ def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
 def draw(d: Drawn, key: jax.Array) -> jax.Array:
     if jnp.issubdtype(d.dtype, jnp.floating):
         return jax.random.normal(key, d.shape, d.dtype)
+    if jnp.issubdtype(d.dtype, jax.dtypes.prng_key):  # a dropout key, say
+        return jax.random.split(key, d.shape)
     if d.dtype == jnp.bool_:
         return jax.random.bernoulli(key, 0.5, d.shape)
     return jax.random.randint(key, d.shape, 0, 8, d.dtype)

@@ -104,25 +104,34 @@ def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
     return optax.chain(clip, scale_by_adam(cfg, table), scale_by_policy(cfg, table))
 
 
-def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> jax.Array:
-    """Mean next-token cross-entropy in float32 over a batch. cfg.loss_chunks > 1 takes the readout
-    and the loss a group of sequences at a time, recomputed in the backward pass (jax.checkpoint),
-    so the float32 (B, T, V) logits never exist whole."""
+def losses(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> tuple[jax.Array, ...]:
+    """(The objective autodiff trains on, the next-token cross-entropy): means in float32 over a
+    batch from one readout. Logged is the cross-entropy (loss/...), comparable between runs; a
+    term added to the objective (a z-loss) trains the model and is logged as objective/....
+    cfg.loss_chunks > 1 takes the readout a group of sequences at a time, recomputed in the
+    backward pass (jax.checkpoint), so the float32 (B, T, V) logits never exist whole."""
     chunks = cfg.loss_chunks
     h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=fast_paths.batch_axes())(x_BT)
 
-    def chunk_loss(h_btD, y_bt):
+    def chunk_losses(h_btD, y_bt):  # sums over the chunk's tokens
         logits_btV = jax.vmap(model.logits)(h_btD)
-        return optax.softmax_cross_entropy_with_integer_labels(logits_btV, y_bt).sum()
+        cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits_btV, y_bt).sum()
+        return cross_entropy, cross_entropy  # (objective, cross-entropy): add terms to the first
 
     if chunks == 1:
-        return chunk_loss(h_BTD, y_BT) / y_BT.size
+        return tuple(s / y_BT.size for s in chunk_losses(h_BTD, y_BT))
 
-    def body(total, hy):
-        return total + jax.checkpoint(chunk_loss)(*hy), None
+    def body(sums, hy):
+        return jax.tree.map(jnp.add, sums, jax.checkpoint(chunk_losses)(*hy)), None
 
     split = lambda a: a.reshape(chunks, -1, *a.shape[1:])  # sequences c * B/chunks ... at a time
-    return jax.lax.scan(body, 0.0, (split(h_BTD), split(y_BT)))[0] / y_BT.size
+    sums = jax.lax.scan(body, (0.0, 0.0), (split(h_BTD), split(y_BT)))[0]
+    return tuple(s / y_BT.size for s in sums)
+
+
+def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> jax.Array:
+    """The objective alone, a scalar to differentiate (mup.py's coordinate check, the tests)."""
+    return losses(model, x_BT, y_BT, cfg)[0]
 
 
 def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, opt_sharding):
@@ -136,17 +145,19 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
 
     def replica_grads(params, x_GBT, y_GBT):  # one replica's B / mesh_replica sequences
         n = len(x_GBT) * mesh.shape["replica"]  # the mean over microbatches and replicas
-        mean_loss = lambda model, x, y: loss_fn(model, x, y, cfg) / n
+        # the objective differentiated, the cross-entropy beside it (has_aux)
+        mean_losses = lambda model, x, y: tuple(s / n for s in losses(model, x, y, cfg))
 
         def micro(grads, xy):
-            loss, g = eqx.filter_value_and_grad(mean_loss)(eqx.combine(params, static), *xy)
-            return jax.tree.map(jnp.add, grads, g), loss
+            (objective, cross_entropy), g = eqx.filter_value_and_grad(mean_losses, has_aux=True)(
+                eqx.combine(params, static), *xy)
+            return jax.tree.map(jnp.add, grads, g), (objective, cross_entropy)
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         zeros = jax.lax.with_sharding_constraint(zeros, grads_sharding)
         grads, losses_G = jax.lax.scan(micro, zeros, (x_GBT, y_GBT))
-        loss_and_grads = (losses_G.sum(), grads)
-        return jax.lax.psum(loss_and_grads, "replica") if dp else loss_and_grads
+        losses_and_grads = (tuple(s.sum() for s in losses_G), grads)
+        return jax.lax.psum(losses_and_grads, "replica") if dp else losses_and_grads
 
     if dp:
         batch = P(None, "replica")
@@ -156,7 +167,7 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
     @functools.partial(jax.jit, donate_argnums=(0, 1))  # the int32 batch has no output to reuse it
     @eqx.debug.assert_max_traces(max_traces=1)  # a second trace is a silent recompile: a bug
     def jitted(params, opt_state, x_GBT, y_GBT):
-        loss, grads = replica_grads(params, x_GBT, y_GBT)
+        (objective, loss), grads = replica_grads(params, x_GBT, y_GBT)
         grad_norm = optax.tree.norm(grads)
 
         # A non-finite loss or gradient is skipped: the state stays as it was, Adam moments and
@@ -167,11 +178,12 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
             updates, new_opt_state = optimizer.update(grads, opt_state, params)
             return eqx.apply_updates(params, updates), new_opt_state
 
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        ok = jnp.isfinite(objective) & jnp.isfinite(grad_norm)
         params, opt_state = jax.lax.cond(ok, update, lambda: (params, opt_state))
         shardings = (model_sharding, opt_sharding)
         state = jax.lax.with_sharding_constraint((params, opt_state), shardings)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": (~ok).astype(jnp.int32)}
+        metrics = {"loss": loss, "objective": objective, "grad_norm": grad_norm,
+                   "skipped": (~ok).astype(jnp.int32)}
         return *state, metrics
 
     # jax.jit of the arrays rather than eqx.filter_jit of the model: the step's host overhead stays
@@ -191,21 +203,21 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
     return step
 
 
-eval_loss = eqx.filter_jit(loss_fn)
-
-
 def evaluate(model: GPT, cfg: Config, train_tokens, val_tokens, mesh) -> dict[str, float]:
-    """Mean loss over eval_batches fixed microbatches of each split (the same ones every time)."""
+    """Mean cross-entropy over eval_batches fixed microbatches of each split (the same ones every
+    time), and the objective's where it differs."""
     out, sharding = {}, NamedSharding(mesh, P(("replica", "fsdp"), None))
     shape = (cfg.microbatch_size, cfg.block_size)
     for name, tokens, stream in (("train", train_tokens, data.EVAL_TRAIN),
                                  ("val", val_tokens, data.EVAL_VAL)):
-        total = 0.0
+        totals = 0.0, 0.0
         for i in range(cfg.eval_batches):
             x, y = data.global_batch(tokens, cfg.seed, stream, i, sharding, shape)
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the step's
-                total += eval_loss(model, x, y, cfg)
-        out[f"{name}_loss"] = float(total) / cfg.eval_batches  # one host sync per split
+                totals = jax.tree.map(jnp.add, totals, eqx.filter_jit(losses)(model, x, y, cfg))
+        objective, out[f"{name}_loss"] = (float(t) / cfg.eval_batches for t in totals)  # one sync
+        if objective != out[f"{name}_loss"]:
+            out[f"{name}_objective"] = objective
     return out
 
 
@@ -282,7 +294,8 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     def log_eval(step: int, tokens_per_s: float | None) -> dict:
         record = evaluate(model, cfg, train_tokens, val_tokens, mesh)
         record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s}
-        logger.log(step, record, {"train_loss": "loss/train", "val_loss": "loss/val"})
+        logger.log(step, record, {f"{split}_{what}": f"{what}/{split}" for split in ("train", "val")
+                                  for what in ("loss", "objective")})  # loss/train ...
         tasks.log_in_training(eval_tasks, model, cfg, step, mesh, logger)  # when due
         text = decode.preview(model, cfg, val_tokens[:8].tolist(), decode_text,  # the val start
                               meta["vocab_size"])
@@ -299,8 +312,9 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
     end = min(start + 8, cfg.max_steps) if debug else cfg.max_steps  # --debug: a profile, stop
     bar = tqdm(initial=start, total=end, desc="train", dynamic_ncols=True, mininterval=1.0,
                disable=jax.process_index() != 0)
-    tags = {"loss": "loss/batch", "lr": "lr", "grad_norm": "grad_norm", "skipped": "skipped_steps",
-            "tokens_per_s": "tokens_per_s", "mfu": "mfu"}
+    tags = {"loss": "loss/batch", "objective": "objective/batch", "lr": "lr",
+            "grad_norm": "grad_norm", "skipped": "skipped_steps", "tokens_per_s": "tokens_per_s",
+            "mfu": "mfu"}
     tokens_per_s, t0, t0_step = None, None, start
     try:  # the step-0 evaluation too: whatever error stops it, the bar and files are closed
         last = log_eval(0, None) if start == 0 else None

@@ -1,12 +1,17 @@
 """Fused kernels: optional fast paths for named functions of model.py, used only where they match.
 
 A fast path has the signature of the model.py function it stands in for. When a run starts,
-select() runs each one that applies to the run's device and shapes beside model.py's own function,
-forward and gradient, on a batch of sequences of the run's shapes and dtype split over the run's
-devices as train.py splits its batch; one that differs (model.py was edited, say) is set aside with
-a printed line, and model.py's function runs. So an edit to model.py always runs; the check
-catches differences larger than the dtype's rounding (TOLERANCE), and --config.kernels=false
-turns every fast path off.
+select() checks each one that applies to the run's device and shapes where the model calls it:
+the model's forward is traced once at the run's shapes with a recorder in each fast path's place,
+which notes how the model calls the function (the arguments, their shapes and dtypes, which are
+None, which vary with the parameters and tokens); then each fast path runs beside model.py's own
+function on those calls, values drawn at those shapes, forward and gradient, on a batch split over
+the run's devices as train.py splits its batch. One that differs (model.py was edited, say), fails
+(an argument it does not take), or would hand the call to model.py's function (a mask it has no
+kernel for) is set aside with a printed line, and model.py's function runs. So an edit to model.py
+always runs, a fast path never fails a step, and the line naming what runs fused is true; the
+check catches differences larger than the dtype's rounding (TOLERANCE), and
+--config.kernels=false turns every fast path off.
 
 - attend: jax.nn.dot_product_attention's cuDNN flash attention (GPU, bfloat16); on a TPU, JAX's
   Pallas splash attention (causal; not ALiBi, whose bias it has no input for).
@@ -23,6 +28,7 @@ import functools
 import sys
 from typing import Callable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -81,29 +87,180 @@ class FastPath:
     what: str  # what it is, for the printed line
     fn: Callable
     applies: Callable[[Config], bool]  # on this run's devices, dtype and shapes
-    # (arrays, call): one sequence's differentiable inputs, and call(fn, *arrays) -> fn's outputs
-    example: Callable[[Config, jax.Array], tuple]
 
 
 def select(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> dict[str, Callable]:
-    """{model.py function name: its fast path} for the fast paths that apply and match, checked
-    on the run's mesh (None: one device)."""
+    """{model.py function name: its fast path} for the fast paths that apply and match wherever
+    the model calls them, checked on the run's mesh (None: one device)."""
+    paths = [path for path in FAST_PATHS if cfg.kernels and path.applies(cfg)]
+    calls = calls_in_model(cfg, {path.name for path in paths}) if paths else {}
     chosen = {}
-    for path in FAST_PATHS if cfg.kernels else ():
-        if not path.applies(cfg):
+    for path in paths:
+        if not calls[path.name]:  # an edit took the call out (SwiGLU has no GELU): nothing to run
+            say(f"kernels: {path.what} unused: the model never calls model.{path.name} through it")
             continue
-        reference = getattr(model, path.name)
-        arrays, call = batch_on(mesh, cfg, path.example)
-        in_mesh = jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh else None
-        with in_mesh or contextlib.nullcontext():
-            problem = mismatch(path.fn, reference, arrays, call, TOLERANCE[cfg.compute_dtype])
+        problem = None
+        for call in calls[path.name]:
+            problem = problem or check_at(path, call, cfg, mesh)
         if problem:
             say(f"kernels: {path.what} set aside, model.{path.name} runs instead: {problem}")
         else:
-            chosen[path.name] = path.fn
+            chosen[path.name] = path
     if chosen:
-        say(f"kernels: {', '.join(chosen)} fused, checked against model.py's functions")
-    return chosen
+        say("kernels: fused, each checked where the model calls it: "
+            + ", ".join(f"model.{name} as {path.what}" for name, path in chosen.items()))
+    return {name: path.fn for name, path in chosen.items()}
+
+
+class Drawn:
+    """An array argument of a recorded call: its shape and dtype, and whether it varies with the
+    parameters or the tokens (q, k, the QK-norm gains: an input with a gradient, each device's
+    own) or not (RoPE's tables, ALiBi's bias, a mask: constants of the step)."""
+
+    def __init__(self, x: jax.Array):
+        self.shape, self.dtype, self.varies = x.shape, x.dtype, False
+
+    def __repr__(self) -> str:
+        return f"{self.dtype.name}[{','.join(map(str, self.shape))}]"
+
+
+@dataclasses.dataclass
+class Call:
+    """How the model calls model.py's function `name`: spec is (args, kwargs), arrays as Drawn."""
+    name: str
+    spec: tuple
+
+    def __repr__(self) -> str:
+        args, kwargs = self.spec
+        shown = [*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]
+        return f"{self.name}({', '.join(shown)})"
+
+
+def remap(x, leaf: Callable, is_leaf: Callable, memo: dict):
+    """x with leaf(a) for each a that is_leaf, in tuples, lists and dicts; an object met twice
+    gives the same result (model.py hands qk_norm_rope one RoPE table for q and k, and
+    fused_qk_norm_rope asks `is`)."""
+    if id(x) not in memo:
+        again = lambda y: remap(y, leaf, is_leaf, memo)  # noqa: E731
+        if is_leaf(x):
+            memo[id(x)] = leaf(x)
+        elif isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple
+            memo[id(x)] = type(x)(*map(again, x))
+        elif isinstance(x, (tuple, list)):
+            memo[id(x)] = type(x)(map(again, x))
+        elif isinstance(x, dict):
+            memo[id(x)] = {k: again(v) for k, v in x.items()}
+        else:  # None, a Python number (attend's scale): as it is
+            memo[id(x)] = x
+    return memo[id(x)]
+
+
+def is_drawn(x) -> bool:
+    return isinstance(x, Drawn)
+
+
+def calls_in_model(cfg: Config, names: set[str]) -> dict[str, list[Call]]:
+    """{name: the distinct calls of model.<name>} where the model calls a fast path, at the run's
+    shapes: a forward traced abstractly (jax.eval_shape), the model built with a recorder as its
+    fast path, under a jax.vmap over the parameters and the tokens, whose batching rule
+    (custom_vmap's) tells which arguments vary with them."""
+    calls = {name: [] for name in names}
+
+    def recorder(name: str) -> Callable:
+        def record(*args, **kwargs):
+            found = []
+            spec = remap((args, kwargs), lambda x: found.append((Drawn(x), x)) or found[-1][0],
+                         lambda x: isinstance(x, jax.Array), {})
+            drawn = [d for d, _ in found]
+            calls[name].append(Call(name, spec))
+
+            def reference(*arrays):
+                by_id = dict(zip(map(id, drawn), arrays))
+                args, kwargs = remap(spec, lambda d: by_id[id(d)], is_drawn, {})
+                return getattr(model, name)(*args, **kwargs)
+
+            watched = jax.custom_batching.custom_vmap(reference)
+
+            @watched.def_vmap
+            def batched(axis_size, in_batched, *arrays):
+                for d, varies in zip(drawn, in_batched):
+                    d.varies |= varies
+                axes = [0 if varies else None for varies in in_batched]
+                out = jax.vmap(reference, in_axes=axes)(*arrays)
+                return out, jax.tree.map(lambda _: True, out)
+
+            return watched(*(x for _, x in found))
+        return record
+
+    gpt = eqx.filter_eval_shape(model.GPT, cfg, {name: recorder(name) for name in names})
+    params, static = eqx.partition(gpt, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    two = lambda x: jax.ShapeDtypeStruct((2, *x.shape), x.dtype)  # noqa: E731
+    tokens = jax.ShapeDtypeStruct((2, cfg.block_size), jnp.int32)
+    forward = lambda params, tokens_T: eqx.combine(params, static)(tokens_T)  # noqa: E731
+    jax.eval_shape(jax.vmap(forward), jax.tree.map(two, params), tokens)
+    distinct = lambda c: repr(c) + str([d.varies for d in drawn_in(c)])  # noqa: E731
+    return {name: list({distinct(c): c for c in found}.values()) for name, found in calls.items()}
+
+
+def drawn_in(call: Call) -> list[Drawn]:
+    found = []
+    remap(call.spec, lambda d: found.append(d) or d, is_drawn, {})
+    return found
+
+
+def check_at(path: FastPath, call: Call, cfg: Config, mesh: jax.sharding.Mesh | None
+             ) -> str | None:
+    """Why path is not model.py's function at this call of the model, or None."""
+    try:
+        arrays, run = batch_on(mesh, cfg, functools.partial(call_example, call))
+    except Exception as e:  # an argument of a kind draw() does not know
+        return f"the model's arguments could not be drawn ({first_line(e)}); it calls {call}"
+    HANDED_BACK.clear()
+    in_mesh = jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh else None
+    with in_mesh or contextlib.nullcontext():
+        problem = mismatch(path.fn, getattr(model, path.name), arrays, run,
+                           TOLERANCE[cfg.compute_dtype])
+    if HANDED_BACK:
+        problem = f"it hands {HANDED_BACK[0]} to model.py's function"
+    return problem and f"{problem}; the model calls {call}"
+
+
+def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
+    """(arrays, run) for the check: the call's varying float arrays drawn at random (the inputs
+    differentiated), the others drawn once and held constant, and run(fn, *arrays) calls fn as
+    the model calls it."""
+    drawn = drawn_in(call)
+    keys = jax.random.split(key, max(len(drawn), 1))
+    values = {id(d): draw(d, k) for d, k in zip(drawn, keys)}
+    inputs = [d for d in drawn if d.varies and jnp.issubdtype(d.dtype, jnp.floating)]
+
+    def run(fn, *arrays):
+        by_id = values | dict(zip(map(id, inputs), arrays))
+        args, kwargs = remap(call.spec, lambda d: by_id[id(d)], is_drawn, {})
+        return fn(*args, **kwargs)
+
+    return tuple(values[id(d)] for d in inputs), run
+
+
+def draw(d: Drawn, key: jax.Array) -> jax.Array:
+    if jnp.issubdtype(d.dtype, jnp.floating):
+        return jax.random.normal(key, d.shape, d.dtype)
+    if jnp.issubdtype(d.dtype, jax.dtypes.prng_key):  # a dropout key, say
+        return jax.random.split(key, d.shape)
+    if d.dtype == jnp.bool_:
+        return jax.random.bernoulli(key, 0.5, d.shape)
+    return jax.random.randint(key, d.shape, 0, 8, d.dtype)
+
+
+# Why the fast path being checked handed calls to model.py's function (select clears it)
+HANDED_BACK: list[str] = []
+
+
+def hand_back(name: str, why: str, *args):
+    """model.<name>(*args), for inputs a fast path has no kernel for (sample.py's decoding, say);
+    select() sets aside a fast path that does so where the model calls it in training."""
+    HANDED_BACK.append(why)
+    return getattr(model, name)(*args)
 
 
 def batch_on(mesh: jax.sharding.Mesh | None, cfg: Config, example: Callable) -> tuple:
@@ -141,8 +298,8 @@ def mismatch(fast: Callable, reference: Callable, arrays: tuple, call: Callable,
 
     try:
         want = jax.jit(functools.partial(outputs_and_grads, reference))(arrays)
-    except Exception as e:  # an edited signature: nothing to compare the fast path with
-        return f"model.py's function does not take the kernel's inputs ({first_line(e)})"
+    except Exception as e:  # nothing to compare the fast path with
+        return f"model.py's function fails on values drawn at these shapes ({first_line(e)})"
     try:
         got = jax.jit(functools.partial(outputs_and_grads, fast))(arrays)
     except Exception as e:
@@ -170,8 +327,11 @@ def cudnn_attend(q_THK, k_SGK, v_SGK, scale: float, mask_TS=None, bias_HTS=None)
     bias included. is_causal aligns queries and keys from position 0, true in training;
     sample.py's cache passes a mask, and an edit of model.py may pass float32 (cuDNN takes
     half precision only): model.attend takes those."""
-    if mask_TS is not None or (on_gpu() and q_THK.dtype not in (jnp.bfloat16, jnp.float16)):
-        return model.attend(q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
+    args = (q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
+    if mask_TS is not None:
+        return hand_back("attend", "calls with a mask", *args)
+    if on_gpu() and q_THK.dtype not in (jnp.bfloat16, jnp.float16):
+        return hand_back("attend", f"calls in {q_THK.dtype} (cuDNN takes half precision)", *args)
     bias = None if bias_HTS is None else bias_HTS.astype(q_THK.dtype)
     kernel = functools.partial(jax.nn.dot_product_attention, scale=scale, is_causal=True,
                                implementation="cudnn" if on_gpu() else "xla")
@@ -191,7 +351,9 @@ def splash_attend(q_THK, k_SGK, v_SGK, scale: float, mask_TS=None, bias_HTS=None
     takes those. The scale multiplies q: splash computes q.k unscaled."""
     (T, H, _), S = q_THK.shape, k_SGK.shape[0]
     if mask_TS is not None or bias_HTS is not None or S != T:
-        return model.attend(q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
+        why = "a mask" if mask_TS is not None else "a bias" if bias_HTS is not None else "S != T"
+        why = f"calls with {why}"
+        return hand_back("attend", why, q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
     splash = splash_kernel(T, H, interpret=not on_tpu())
     heads_first = lambda x: jnp.swapaxes(x, 0, 1)
     kernel = lambda q, k, v: heads_first(splash(*map(heads_first, (q * scale, k, v))))
@@ -217,40 +379,22 @@ def splash_applies(cfg: Config) -> bool:
     return on_tpu() and cfg.position == "rope" and T % min(SPLASH_BLOCK, T) == 0
 
 
-def attend_example(cfg: Config, key: jax.Array) -> tuple:
-    T, H, G, K = cfg.block_size, cfg.n_head, cfg.kv_heads, cfg.head_dim
-    keys = jax.random.split(key, 3)
-    q = jax.random.normal(keys[0], (T, H, K), cfg.compute_dtype)
-    k, v = (jax.random.normal(k, (T, G, K), cfg.compute_dtype) for k in keys[1:])
-    bias = None
-    if cfg.position == "alibi":
-        bias = model.alibi_bias(jnp.arange(T), jnp.arange(T), H)
-    return (q, k, v), lambda fn, q, k, v: fn(q, k, v, cfg.attn_scale, None, bias)
-
-
 def fused_qk_norm_rope(q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope):
     """model.qk_norm_rope by kernels/pallas_qk_norm_rope.py's kernel, where queries and keys share
     positions and rotation tables and the shapes fit its blocks (ALiBi has no tables; sample.py's
     decoding steps differ: model.py's function takes those)."""
     (T, _, K), S = q_THK.shape, k_TGK.shape[0]
     if q_rope is None or q_rope is not k_rope or S != T or not pallas.fits(T, K):
-        return model.qk_norm_rope(q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope)
+        why = ("no rotation tables" if q_rope is None else "other tables for q than for k"
+               if q_rope is not k_rope or S != T else "shapes outside its blocks")
+        why = f"calls with {why}"
+        return hand_back("qk_norm_rope", why, q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope)
     return per_device(pallas.qk_norm_rope, q_THK, k_TGK, q_gain_K, k_gain_K, *q_rope)
 
 
 def qk_norm_rope_applies(cfg: Config) -> bool:
     fits = pallas.fits(cfg.block_size, cfg.head_dim)
     return on_gpu() and cfg.position == "rope" and fits
-
-
-def qk_norm_rope_example(cfg: Config, key: jax.Array) -> tuple:
-    T, H, G, K = cfg.block_size, cfg.n_head, cfg.kv_heads, cfg.head_dim
-    keys = jax.random.split(key, 4)
-    q = jax.random.normal(keys[0], (T, H, K), cfg.compute_dtype)
-    k = jax.random.normal(keys[1], (T, G, K), cfg.compute_dtype)
-    q_gain, k_gain = (1 + 0.1 * jax.random.normal(k, (K,)) for k in keys[2:])
-    table = model.rope_table(jnp.arange(T), K, cfg.rope_base)
-    return (q, k, q_gain, k_gain), lambda fn, *arrays: fn(*arrays, table, table)
 
 
 @jax.custom_vjp
@@ -271,15 +415,10 @@ def gelu_applies(cfg: Config) -> bool:
     return on_gpu() and cfg.scan_unroll >= cfg.n_layer
 
 
-def gelu_example(cfg: Config, key: jax.Array) -> tuple:
-    x = jax.random.normal(key, (cfg.block_size, cfg.mlp_width), cfg.compute_dtype)
-    return (x,), lambda fn, x: fn(x)
-
-
 FAST_PATHS = [
-    FastPath("attend", "cuDNN flash attention", cudnn_attend, cudnn_applies, attend_example),
-    FastPath("attend", "splash attention", splash_attend, splash_applies, attend_example),
+    FastPath("attend", "cuDNN flash attention", cudnn_attend, cudnn_applies),
+    FastPath("attend", "splash attention", splash_attend, splash_applies),
     FastPath("qk_norm_rope", "the Pallas QK-norm + RoPE kernel", fused_qk_norm_rope,
-             qk_norm_rope_applies, qk_norm_rope_example),
-    FastPath("gelu", "the recomputing GELU", recomputing_gelu, gelu_applies, gelu_example),
+             qk_norm_rope_applies),
+    FastPath("gelu", "the recomputing GELU", recomputing_gelu, gelu_applies),
 ]

@@ -141,16 +141,19 @@ class Tally:
         self.on_device = []
 
     def record(self, step: int) -> dict:
-        """Mean loss over the applied steps since the last log, the last grad norm, the skipped
-        count."""
+        """Mean loss (the cross-entropy) over the applied steps since the last log, and the
+        objective's where it differs; the last grad norm, the skipped count."""
         self.fetch()
         steps = self.state["since_log"]
         losses = [m["loss"] for m in steps if not m["skipped"]]
+        objectives = [m.get("objective", m["loss"]) for m in steps if not m["skipped"]]
         # a last step off the interval keeps them: a longer resumed run logs them at its next log
         if step % self.cfg.log_interval == 0:
             self.state["since_log"] = []
-        return {"loss": float(np.mean(losses)) if losses else None,
-                "grad_norm": steps[-1]["grad_norm"], "skipped": self.state["skipped"]}
+        mean = lambda values: float(np.mean(values)) if values else None  # noqa: E731
+        return {"loss": mean(losses), "grad_norm": steps[-1]["grad_norm"],
+                "skipped": self.state["skipped"]} | (
+            {"objective": mean(objectives)} if objectives != losses else {})
 
     def check(self, step: int) -> None:
         if self.state["streak"] >= self.cfg.max_nonfinite:

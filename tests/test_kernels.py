@@ -104,7 +104,7 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll, **variant)
     fast = fast_paths.select(cfg)
     assert set(fast) == {"attend", "qk_norm_rope", "gelu"}
-    assert "attend, qk_norm_rope, gelu fused" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines()[-1] == ALL_FUSED
     plain, fused = random_gpt(cfg), random_gpt(cfg, fast=fast)  # the same arrays
     assert fused.blocks.attn.fast_qk_norm_rope is fast["qk_norm_rope"]
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
@@ -118,6 +118,11 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     named = lambda g: jax.tree_util.tree_flatten_with_path(eqx.filter(g, eqx.is_array))[0]
     for (path, a), (_, b) in zip(named(want), named(got), strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=params.param_name(path))
+
+
+ALL_FUSED = ("kernels: fused, each checked where the model calls it: model.attend as cuDNN flash "
+             "attention, model.qk_norm_rope as the Pallas QK-norm + RoPE kernel, model.gelu as the "
+             "recomputing GELU")
 
 
 def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
@@ -138,10 +143,73 @@ def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
     assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().err
     assert fast_paths.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
     assert capsys.readouterr().err == ""
-    # A signature the kernel cannot be called like is set aside too, not a crash
-    monkeypatch.setattr(M, "attend", lambda q, k, v: plain_attend(q, k, v, 1.0))
-    assert "attend" not in fast_paths.select(cfg)
-    assert "model.py's function does not take the kernel's inputs" in capsys.readouterr().err
+
+
+def sliding_window(monkeypatch):
+    """An edit through the mask: attention to the last 4 positions only (Beltagy et al. 2020's
+    sliding window), a mask made in GPT.positions for every forward."""
+    plain = M.GPT.positions
+
+    def positions(self, q_T, S=None):
+        at = plain(self, q_T, S)
+        back_TS = at.q_T[:, None] - at.k_S[None, :]
+        return at._replace(mask_TS=(back_TS >= 0) & (back_TS < 4))
+
+    monkeypatch.setattr(M.GPT, "positions", positions)
+
+
+def soft_capped(monkeypatch):
+    """An edit that adds an argument to attend: Gemma 2's logit soft-capping, cap * tanh(l / cap)
+    (Gemma Team 2024), passed by Attention.__call__ (here without sample.py's cache)."""
+    def attend(q_THK, k_SHK, v_SHK, scale, mask_TS=None, bias_HTS=None, cap=None):  # G = H
+        logits_HTS = cap * jnp.tanh(scale * jnp.einsum("THK,SHK->HTS", q_THK, k_SHK) / cap)
+        causal_TS = jnp.tril(jnp.ones(logits_HTS.shape[1:], bool))
+        probs_HTS = jax.nn.softmax(jnp.where(causal_TS, logits_HTS, -jnp.inf), axis=-1)
+        return jnp.einsum("HTS,SHK->THK", probs_HTS, v_SHK)
+
+    def call(self, xs_TD, at, cache=None):
+        q_THK, k_TGK, v_TGK = self.project(xs_TD)
+        norm_rope = self.fast_qk_norm_rope or M.qk_norm_rope
+        q_THK, k_TGK = norm_rope(q_THK, k_TGK, self.q_norm, self.k_norm, at.q_rope, at.k_rope)
+        o_THK = (self.fast_attend or M.attend)(q_THK, k_TGK, v_TGK, self.scale, None, None, 30.0)
+        return jnp.einsum("THK,HKD->TD", o_THK, self.out.astype(self.dtype)), cache
+
+    monkeypatch.setattr(M, "attend", attend)
+    monkeypatch.setattr(M.Attention, "__call__", call)
+
+
+@pytest.mark.parametrize("edit,line", [
+    (sliding_window, "it hands calls with a mask to model.py's function; the model calls "
+     "attend(float32[16,2,16], float32[16,2,16], float32[16,2,16], 0.25, bool[16,16], None)"),
+    (soft_capped, "it failed: TypeError: cudnn_attend() takes from 4 to 6 positional arguments "
+     "but 7 were given; the model calls attend(float32[16,2,16], float32[16,2,16], "
+     "float32[16,2,16], 0.25, None, None, 30.0)")], ids=["through-the-mask", "a-new-argument"])
+def test_an_attention_edit_sets_the_kernel_aside_where_the_model_calls_it(monkeypatch, capsys,
+                                                                          edit, line):
+    """Two edits of model.py's attention that a check on a fixed example of attend would pass: a
+    mask (cuDNN's path would hand every call to model.attend while the run said it was fused) and
+    a new argument (the first step would fail with a TypeError). The self-check sees attend as the
+    model calls it, sets cuDNN's attention aside with one line before training, names what runs
+    fused, and the train step runs the edit: its loss is that of the run without kernels."""
+    import train
+    fast_paths = every_kernel(monkeypatch)
+    monkeypatch.setattr(fast_paths, "FAST_PATHS", [fast_paths.FAST_PATHS[0],  # cuDNN's, and
+                                                   fast_paths.FAST_PATHS[-1]])  # the GELU
+    edit(monkeypatch)
+    cfg = tiny()
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 16)).astype(np.int32)
+    y = np.roll(x, -1, axis=-1)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("kernels:")]
+    assert lines == [f"kernels: cuDNN flash attention set aside, model.attend runs instead: {line}",
+                     "kernels: fused, each checked where the model calls it: model.gelu as the "
+                     "recomputing GELU"]
+    assert s.model.blocks.attn.fast_attend is None and s.model.blocks.mlp.fast_gelu is not None
+    plain = jax.tree.unflatten(jax.tree.structure(M.GPT(cfg)), jax.tree.leaves(s.model))
+    want = jax.jit(train.loss_fn, static_argnums=3)(plain, x[0], y[0], cfg)  # no fast path
+    _, _, metrics = s.step(s.model, s.opt_state, x, y)
+    assert np.isfinite(float(metrics["loss"]))
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
 
 
 def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys):
@@ -213,7 +281,8 @@ def test_the_self_check_sets_a_sharded_kernel_aside(tmp_path):
     r = run(["-c", SHARDED_CHECK])
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()
-    all_fused = "kernels: qk_norm_rope, gelu fused, checked against model.py's functions"
+    all_fused = ("kernels: fused, each checked where the model calls it: model.qk_norm_rope as "
+                 "the Pallas QK-norm + RoPE kernel, model.gelu as the recomputing GELU")
     assert lines[0] == all_fused
     assert lines[1].startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, "
                                "model.qk_norm_rope runs instead: its output differs by ")

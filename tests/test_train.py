@@ -136,29 +136,67 @@ def test_loss_is_cross_entropy_written_out():
         assert float(got) == pytest.approx(want, rel=1e-5)
 
 
+def z_loss(monkeypatch, weight=0.1):
+    """A z-loss (PaLM's log(Z)^2 term, large here so it shows) added to the objective in
+    train.losses as the README shows; returns the objective, its gradient taken here by jax.grad."""
+    plain = train.losses
+
+    def losses(model, x_BT, y_BT, cfg):
+        log_z_BT = jax.nn.logsumexp(jax.vmap(model)(x_BT), axis=-1)
+        objective, cross_entropy = plain(model, x_BT, y_BT, cfg)
+        return objective + weight * jnp.mean(log_z_BT**2), cross_entropy
+
+    monkeypatch.setattr(train, "losses", losses)
+    return eqx.filter_value_and_grad(lambda m, x, y, cfg: losses(m, x, y, cfg)[0])
+
+
 def test_an_edit_to_the_loss_reaches_the_gradient(monkeypatch):
-    """A z-loss (PaLM's log(Z)^2 term, large here so it shows) added to train.loss_fn as a researcher
-    would: the train step's loss and gradient norm are those of the edited loss, its gradient taken
-    here by jax.grad, and differ from the plain loss's."""
+    """A z-loss added to the objective: the train step's objective and gradient norm are those of
+    the edited objective, its gradient taken by jax.grad, and differ from the plain loss's; the
+    step's loss stays the cross-entropy."""
     cfg = tiny()
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 16)).astype(np.int32)
     y = np.roll(x, -1, axis=-1)
-    plain = train.loss_fn
-
-    def z_loss_fn(model, x_BT, y_BT, cfg):
-        logits_BTV = jax.vmap(model)(x_BT)
-        log_z = jax.nn.logsumexp(logits_BTV, axis=-1)
-        return plain(model, x_BT, y_BT, cfg) + 0.1 * jnp.mean(log_z**2)
-
     s = train.setup(cfg, train.make_mesh(cfg))
-    want_loss, want_grads = eqx.filter_value_and_grad(z_loss_fn)(s.model, x[0], y[0], cfg)
+    want_ce = train.loss_fn(s.model, x[0], y[0], cfg)
     _, _, before = s.step(s.model, s.opt_state, x, y)
-    monkeypatch.setattr(train, "loss_fn", z_loss_fn)
-    s = train.setup(cfg, train.make_mesh(cfg))
+    grad_fn = z_loss(monkeypatch)
+    s = train.setup(cfg, train.make_mesh(cfg))  # the same parameters
+    want_objective, want_grads = grad_fn(s.model, x[0], y[0], cfg)
     _, _, after = s.step(s.model, s.opt_state, x, y)
-    assert float(after["loss"]) == pytest.approx(float(want_loss), rel=1e-5)
+    assert float(after["objective"]) == pytest.approx(float(want_objective), rel=1e-5)
+    assert float(after["loss"]) == pytest.approx(float(want_ce), rel=1e-5) == float(before["loss"])
+    assert float(after["objective"]) > float(after["loss"]) + 0.1
     assert float(after["grad_norm"]) == pytest.approx(float(optax.tree.norm(want_grads)), rel=1e-4)
     assert float(after["grad_norm"]) != pytest.approx(float(before["grad_norm"]), rel=1e-2)
+
+
+def test_logged_losses_are_the_cross_entropy_whatever_the_objective(monkeypatch, shakespeare,
+                                                                    tmp_path):
+    """Two runs of 2 steps from the same parameters, one with a z-loss added to the objective:
+    metrics.jsonl's losses (the step-0 evaluation's train and val, the first step's batch loss)
+    are the same cross-entropy in both, and only the z-loss run logs an objective, larger by the
+    z-loss."""
+    import json
+    cfg = tiny(max_steps=2, eval_interval=2, log_interval=1, eval_batches=1)
+
+    def logged(rundir):
+        rundir.mkdir()
+        (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        train.train(cfg, rundir)
+        return {r["step"]: r for r in map(json.loads, (rundir / "metrics.jsonl").open())
+                if "val_loss" in r or r["step"] == 1}
+
+    plain = logged(tmp_path / "plain")
+    z_loss(monkeypatch)
+    with_z = logged(tmp_path / "z")
+    for key in ("train_loss", "val_loss"):
+        assert with_z[0][key] == pytest.approx(plain[0][key], rel=1e-6)
+        assert with_z[0][key.replace("loss", "objective")] > with_z[0][key] + 0.1
+    assert with_z[1]["loss"] == pytest.approx(plain[1]["loss"], rel=1e-6)
+    assert with_z[1]["objective"] > with_z[1]["loss"] + 0.1
+    assert not {"train_objective", "val_objective", "objective"} & {*plain[0], *plain[1]}
+    assert with_z[2]["val_loss"] != pytest.approx(plain[2]["val_loss"], rel=1e-6)  # it trained
 
 
 def test_chunked_loss_is_the_same_loss_in_less_memory():

@@ -180,7 +180,7 @@ def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int) -> tuple[n
 
         start = (eqx.combine(arrays, static), s.opt_state)
         (gpt, _), losses = jax.lax.scan(one_step, start, (x_SGBT, y_SGBT))
-        loss = lambda x_BT, y_BT: train.loss_fn(gpt, x_BT, y_BT, cfg)
+        loss = lambda x_BT, y_BT: train.objective(gpt, x_BT, y_BT, cfg)
         return losses, jax.vmap(loss)(x_EBT, y_EBT).mean()
 
     sweep = eqx.filter_jit(jax.vmap(jax.vmap(run, in_axes=(None, 0)), in_axes=(0, None)))

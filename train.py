@@ -104,7 +104,7 @@ def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
     return optax.chain(clip, scale_by_adam(cfg, table), scale_by_policy(cfg, table))
 
 
-def losses(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> tuple[jax.Array, ...]:
+def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> tuple[jax.Array, ...]:
     """(The objective autodiff trains on, the next-token cross-entropy): means in float32 over a
     batch from one readout. Logged is the cross-entropy (loss/...), comparable between runs; a
     term added to the objective (a z-loss) trains the model and is logged as objective/....
@@ -129,9 +129,10 @@ def losses(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> tuple[j
     return tuple(s / y_BT.size for s in sums)
 
 
-def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> jax.Array:
-    """The objective alone, a scalar to differentiate (mup.py's coordinate check, the tests)."""
-    return losses(model, x_BT, y_BT, cfg)[0]
+def objective(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> jax.Array:
+    """loss_fn's objective alone, a scalar to differentiate (mup.py's coordinate check, the
+    tests). Edit loss_fn, not this: the train step calls loss_fn."""
+    return loss_fn(model, x_BT, y_BT, cfg)[0]
 
 
 def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, opt_sharding):
@@ -146,7 +147,7 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
     def replica_grads(params, x_GBT, y_GBT):  # one replica's B / mesh_replica sequences
         n = len(x_GBT) * mesh.shape["replica"]  # the mean over microbatches and replicas
         # the objective differentiated, the cross-entropy beside it (has_aux)
-        mean_losses = lambda model, x, y: tuple(s / n for s in losses(model, x, y, cfg))
+        mean_losses = lambda model, x, y: tuple(s / n for s in loss_fn(model, x, y, cfg))
 
         def micro(grads, xy):
             (objective, cross_entropy), g = eqx.filter_value_and_grad(mean_losses, has_aux=True)(
@@ -214,7 +215,7 @@ def evaluate(model: GPT, cfg: Config, train_tokens, val_tokens, mesh) -> dict[st
         for i in range(cfg.eval_batches):
             x, y = data.global_batch(tokens, cfg.seed, stream, i, sharding, shape)
             with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the step's
-                totals = jax.tree.map(jnp.add, totals, eqx.filter_jit(losses)(model, x, y, cfg))
+                totals = jax.tree.map(jnp.add, totals, eqx.filter_jit(loss_fn)(model, x, y, cfg))
         objective, out[f"{name}_loss"] = (float(t) / cfg.eval_batches for t in totals)  # one sync
         if objective != out[f"{name}_loss"]:
             out[f"{name}_objective"] = objective

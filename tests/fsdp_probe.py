@@ -38,7 +38,7 @@ rng = np.random.default_rng(0)
 x = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 y = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 batch = jax.device_put((x, y), NamedSharding(mesh, train.BATCH_SPEC))
-grad_fn = eqx.filter_grad(lambda model, x, y: train.loss_fn(model, x, y, cfg))
+grad_fn = eqx.filter_grad(lambda model, x, y: train.objective(model, x, y, cfg))
 with jax.set_mesh(mesh):  # as train.py's step: the kernels run per device (fast_paths.per_device)
     grads = eqx.filter_jit(grad_fn)(s.model, batch[0][0], batch[1][0])
     jaxpr = eqx.filter_make_jaxpr(grad_fn)(s.model, batch[0][0], batch[1][0])[0]

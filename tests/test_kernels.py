@@ -109,11 +109,11 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     assert fused.blocks.attn.fast_qk_norm_rope is fast["qk_norm_rope"]
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
     y = jnp.roll(tokens, -1, axis=1)
-    want_loss, want = eqx.filter_value_and_grad(train.loss_fn)(plain, tokens, y, cfg)
+    want_loss, want = eqx.filter_value_and_grad(train.objective)(plain, tokens, y, cfg)
     one = np.asarray(tokens[0])
     assert "pallas_call" in str(jax.make_jaxpr(fused)(one))  # the kernel runs, not model.py's
     np.testing.assert_allclose(fused(one), numpy_forward(plain, cfg, one), rtol=1e-4, atol=1e-4)
-    got_loss, got = eqx.filter_value_and_grad(train.loss_fn)(fused, tokens, y, cfg)
+    got_loss, got = eqx.filter_value_and_grad(train.objective)(fused, tokens, y, cfg)
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
     named = lambda g: jax.tree_util.tree_flatten_with_path(eqx.filter(g, eqx.is_array))[0]
     for (path, a), (_, b) in zip(named(want), named(got), strict=True):
@@ -206,7 +206,7 @@ def test_an_attention_edit_sets_the_kernel_aside_where_the_model_calls_it(monkey
                      "recomputing GELU"]
     assert s.model.blocks.attn.fast_attend is None and s.model.blocks.mlp.fast_gelu is not None
     plain = jax.tree.unflatten(jax.tree.structure(M.GPT(cfg)), jax.tree.leaves(s.model))
-    want = jax.jit(train.loss_fn, static_argnums=3)(plain, x[0], y[0], cfg)  # no fast path
+    want = jax.jit(train.objective, static_argnums=3)(plain, x[0], y[0], cfg)  # no fast path
     _, _, metrics = s.step(s.model, s.opt_state, x, y)
     assert np.isfinite(float(metrics["loss"]))
     np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)

@@ -133,7 +133,7 @@ def test_loss_at_init_is_log_vocab():
     cfg = tiny(n_layer=2, d_model=64, n_head=2)
     gpt = params.init_gpt(cfg, jax.random.key(0))
     x = jax.random.randint(jax.random.key(1), (4, 16), 0, cfg.vocab_size)
-    assert abs(float(train.loss_fn(gpt, x, x, cfg)) - math.log(cfg.model_vocab)) < 0.1
+    assert abs(float(train.objective(gpt, x, x, cfg)) - math.log(cfg.model_vocab)) < 0.1
 
 
 def test_policy_table_covers_every_parameter():
@@ -162,7 +162,7 @@ def test_tied_embeddings_are_one_array():
     emb = gpt.embeddings()
     assert emb.embed is emb.unembed
     x = jnp.zeros((2, 16), jnp.int32)
-    grads = eqx.filter_grad(train.loss_fn)(gpt, x, x, cfg)
+    grads = eqx.filter_grad(train.objective)(gpt, x, x, cfg)
     # The readout's gradient reaches the shared array: rows of tokens never input still get one.
     assert float(jnp.abs(grads.emb.pytree.embed[5]).sum()) > 0
 
@@ -173,9 +173,9 @@ def test_remat_and_unroll_do_not_change_gradients(remat):
     cfg = tiny(n_layer=4)
     ref = random_gpt(cfg)
     x = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
-    g0 = eqx.filter_grad(train.loss_fn)(ref, x, x, cfg)
+    g0 = eqx.filter_grad(train.objective)(ref, x, x, cfg)
     other = random_gpt(dataclasses.replace(cfg, remat=remat, scan_unroll=2))
-    g1 = eqx.filter_jit(eqx.filter_grad(train.loss_fn))(other, x, x, cfg)
+    g1 = eqx.filter_jit(eqx.filter_grad(train.objective))(other, x, x, cfg)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 

@@ -34,7 +34,7 @@ def one_step(cfg, readout_seed=1):
     unembed = 0.1 * jax.random.normal(jax.random.key(readout_seed), s.model.emb.unembed.shape)
     gpt = eqx.tree_at(lambda g: g.emb.unembed, s.model, unembed)
     x, y = batch(cfg)
-    grads = eqx.filter_grad(lambda g: train.loss_fn(g, jnp.asarray(x[0]), jnp.asarray(y[0]), cfg))(gpt)
+    grads = eqx.filter_grad(lambda g: train.objective(g, jnp.asarray(x[0]), jnp.asarray(y[0]), cfg))(gpt)
     before, grads = named(gpt), named(grads)
     after, _, _ = s.step(gpt, s.opt_state, x, y)  # donates gpt's arrays: before holds copies
     return before, grads, named(after)

@@ -132,22 +132,22 @@ def test_loss_is_cross_entropy_written_out():
     logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     want = -np.take_along_axis(logp, y_BT[..., None], -1).mean()
     for chunks in (1, 2):
-        got = train.loss_fn(gpt, x_BT, y_BT, dataclasses.replace(cfg, loss_chunks=chunks))
+        got = train.objective(gpt, x_BT, y_BT, dataclasses.replace(cfg, loss_chunks=chunks))
         assert float(got) == pytest.approx(want, rel=1e-5)
 
 
 def z_loss(monkeypatch, weight=0.1):
     """A z-loss (PaLM's log(Z)^2 term, large here so it shows) added to the objective in
-    train.losses as the README shows; returns the objective, its gradient taken here by jax.grad."""
-    plain = train.losses
+    train.loss_fn as the README shows; returns the objective, its gradient taken here by jax.grad."""
+    plain = train.loss_fn
 
-    def losses(model, x_BT, y_BT, cfg):
+    def loss_fn(model, x_BT, y_BT, cfg):
         log_z_BT = jax.nn.logsumexp(jax.vmap(model)(x_BT), axis=-1)
         objective, cross_entropy = plain(model, x_BT, y_BT, cfg)
         return objective + weight * jnp.mean(log_z_BT**2), cross_entropy
 
-    monkeypatch.setattr(train, "losses", losses)
-    return eqx.filter_value_and_grad(lambda m, x, y, cfg: losses(m, x, y, cfg)[0])
+    monkeypatch.setattr(train, "loss_fn", loss_fn)
+    return eqx.filter_value_and_grad(lambda m, x, y, cfg: loss_fn(m, x, y, cfg)[0])
 
 
 def test_an_edit_to_the_loss_reaches_the_gradient(monkeypatch):
@@ -158,7 +158,7 @@ def test_an_edit_to_the_loss_reaches_the_gradient(monkeypatch):
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 16)).astype(np.int32)
     y = np.roll(x, -1, axis=-1)
     s = train.setup(cfg, train.make_mesh(cfg))
-    want_ce = train.loss_fn(s.model, x[0], y[0], cfg)
+    want_ce = train.objective(s.model, x[0], y[0], cfg)
     _, _, before = s.step(s.model, s.opt_state, x, y)
     grad_fn = z_loss(monkeypatch)
     s = train.setup(cfg, train.make_mesh(cfg))  # the same parameters
@@ -210,7 +210,7 @@ def test_chunked_loss_is_the_same_loss_in_less_memory():
     out = {}
     for chunks in (1, 4):
         c = dataclasses.replace(cfg, loss_chunks=chunks)
-        f = eqx.filter_jit(lambda m, x, y: eqx.filter_value_and_grad(train.loss_fn)(m, x, y, c))
+        f = eqx.filter_jit(lambda m, x, y: eqx.filter_value_and_grad(train.objective)(m, x, y, c))
         temp = f.lower(gpt, x_BT, y_BT).compile().compiled.memory_analysis().temp_size_in_bytes
         out[chunks] = (*f(gpt, x_BT, y_BT), temp)
     (loss1, grads1, temp1), (loss4, grads4, temp4) = out[1], out[4]

@@ -83,7 +83,7 @@ def fingerprints(tree) -> list[jax.Array]:
 
 
 def checksums(state: dict) -> dict[str, list[int]]:
-    """{"model.blocks.mlp.up": [finite, sum, weighted sum], ...} of a state's arrays, on the host."""
+    """{"model.blocks.mlp.up": [finite, sum, weighted sum], ...} of a state's arrays, fetched."""
     names = list(shapes(state))
     return dict(zip(names, (v.tolist() for v in jax.device_get(fingerprints(state))),
                     strict=True))
@@ -156,7 +156,8 @@ def resume(mngr: ocp.CheckpointManager, model: GPT,
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("mugpt: checkpoints listed")  # before any rename
     newest = max(recorded + steps[:1], default=0)
-    if newest and newest not in steps and not (mngr.directory / f"{newest}.damaged").exists() and first:
+    set_aside = (mngr.directory / f"{newest}.damaged").exists()  # said when it was renamed
+    if newest and newest not in steps and not set_aside and first:
         print(f"warning: the checkpoint of step {newest} is missing from {mngr.directory} (the "
               f"run saved it, {SAVED} says)", file=sys.stderr, flush=True)
     for step in steps:

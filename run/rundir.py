@@ -142,6 +142,7 @@ def check_space(rundir: epath.Path, cfg: Config) -> None:
     run without one its parameters and Adam's two moments, uncompressed (orbax compresses)."""
     from run import checkpoint, written
 
+    written.recorded_steps(rundir)  # a corrupt record is refused here, before anything is written
     if str(rundir).startswith("gs://"):
         return
     steps = checkpoint.saved_steps(rundir)

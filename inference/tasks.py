@@ -72,12 +72,13 @@ def read_task_file(path: Path) -> list[dict]:
         except ValueError as e:
             raise UsageError(f"task file {path}, line {number}: not JSON ({e})") from None
         if problem := task_problem(ex):
-            raise UsageError(f"task file {path}, line {number}: {problem}; see "
-                             f"inference/tasks.py's docstring")
+            raise UsageError(f"task file {path}, line {number}, example {len(examples) + 1}: "
+                             f"{problem}; see inference/tasks.py's docstring")
         kinds.add("text" in ex)
         if len(kinds) > 1:
-            raise UsageError(f"task file {path}, line {number}: multiple-choice and last-word "
-                             f"lines in one file; a task is one kind")
+            raise UsageError(f"task file {path}, line {number}, example {len(examples) + 1}: "
+                             f"multiple-choice and last-word lines in one file; a task is one "
+                             f"kind")
         examples.append(ex)
     if not examples:
         raise UsageError(f"task file {path} has no examples")

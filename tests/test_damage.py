@@ -407,8 +407,8 @@ def test_a_bad_run_record_is_one_line_naming_the_file(straight, tmp_path, env, t
 def test_eval_refuses_a_malformed_task_file_in_one_line(straight, tmp_path, env):
     (tmp_path / "out.jsonl").write_text('{"context": "a", "choices": [" b", " c"], "label": 2}\n')
     r = run(TOOLS["eval"](straight[0], tmp_path / "out"), env)
-    assert_one_line_error(r, f"task file {tmp_path / 'out.jsonl'}, line 1: label must be an "
-                             f"integer from 0 to 1")
+    assert_one_line_error(r, f"task file {tmp_path / 'out.jsonl'}, line 1, example 1: label "
+                             f"must be an integer from 0 to 1")
 
 
 def test_resume_with_the_run_directory_alone_equals_the_straight_run(straight, tmp_path, env):

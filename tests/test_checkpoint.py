@@ -397,8 +397,8 @@ def test_resume_with_another_model_shape_is_one_line_and_writes_nothing(shakespe
     saved = json.dumps(dataclasses.asdict(tiny_config()), indent=1)
     (rundir / "config.json").write_text(saved)
     r = run(launch_args(rundir, "--config.n_layer=3"), env)
-    assert_one_line_error(r, f"{rundir} holds a run with n_layer=2, this launch has n_layer=3: "
-                             f"resuming may change only max_steps")
+    assert_one_line_error(r, f"{rundir} holds a run with n_layer=2 there, 3 here: resuming may "
+                             f"change only max_steps")
     assert len(r.stderr.strip().splitlines()) == 1
     assert (rundir / "config.json").read_text() == saved
     assert sorted(p.name for p in rundir.iterdir()) == ["config.json"]
@@ -553,7 +553,8 @@ def test_no_space_at_the_first_save_says_none_is_saved_yet(tmp_path, monkeypatch
     s = train.setup(cfg, train.make_mesh(cfg))
     mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
     (tmp_path / "checkpoints").mkdir(exist_ok=True)
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: shutil.disk_usage(p)._replace(free=1))
+    real = shutil.disk_usage
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: real(p)._replace(free=1))
     with pytest.raises(ckpt.RunError, match=r"no space for the checkpoint of step 4 in .*: it "
                                             r"needs [\d,]+ bytes, 1 bytes are free \(none saved "
                                             r"yet\): free some"):

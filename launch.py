@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 train.train(cfg, rundir, debug=args.debug)
             except checkpoint.NothingToResume:  # a refused launch leaves the run as it was
-                undo and undo()
+                if undo:
+                    undo()
                 raise
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")

@@ -157,7 +157,7 @@ def resume(mngr: ocp.CheckpointManager, model: GPT,
         multihost_utils.sync_global_devices("mugpt: checkpoints listed")  # before any rename
     newest = max(recorded + steps[:1], default=0)
     set_aside = (mngr.directory / f"{newest}.damaged").exists()  # said when it was renamed
-    if newest and newest not in steps and not set_aside and first:
+    if steps and newest not in steps and not set_aside and first:  # (none left: an error, below)
         print(f"warning: the checkpoint of step {newest} is missing from {mngr.directory} (the "
               f"run saved it, {SAVED} says)", file=sys.stderr, flush=True)
     for step in steps:

@@ -184,6 +184,7 @@ def test_all_checkpoints_lost_is_refused_in_one_line_and_restart_trains_again(
     assert_one_line_error(r, f"{rundir} saved checkpoints up to step {STEPS} (checkpoints.json) "
                              f"and none is left in {rundir / 'checkpoints'}: copy them back, or "
                              f"pass --restart")
+    assert "warning" not in r.stderr  # the one line says it all
     assert unchanged(rundir) == before
     r = run(launch_args(rundir, f"--config.max_steps={STEPS}", "--restart"), env)
     assert r.returncode == 0, r.stderr

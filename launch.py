@@ -1,9 +1,10 @@
 """Train a GPT:  python launch.py --config=NAME [--rundir=DIR] [--config.FIELD=VALUE ...]
+Resume one:     python launch.py --rundir=DIR [--config.FIELD=VALUE ...]
 
 The config is configs/NAME.py with typed overrides from the command line. The run directory
 (default runs/NAME-TIMESTAMP, or gs://...) gets config.json, run.json (git commit, dirty tree,
-command), dataset.json, metrics.jsonl, tensorboard events and checkpoints/; an existing one
-resumes.
+command), dataset.json, metrics.jsonl, tensorboard events, checkpoints/ and checkpoints.json; an
+existing one resumes, as its config.json says unless --config is given.
 """
 import argparse
 import os
@@ -15,7 +16,7 @@ from etils import epath
 import configs
 from configs import apply_overrides
 from run.errors import RunError, UsageError
-from run.rundir import open_rundir
+from run.rundir import open_rundir, resume_config
 
 MULTIHOST = ("coordinator_address", "num_processes", "process_id")  # jax.distributed's arguments
 
@@ -23,8 +24,11 @@ MULTIHOST = ("coordinator_address", "num_processes", "process_id")  # jax.distri
 def parse_args(argv: list[str]):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog="On TPU VMs and under SLURM, --multihost alone will do.")
-    ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
+    ap.add_argument("--config", help=f"one of: {', '.join(configs.available())} (to resume a "
+                                     f"--rundir: its own)")
     ap.add_argument("--rundir", help="default runs/NAME-TIMESTAMP; an existing one is resumed")
+    ap.add_argument("--restart", action="store_true",
+                    help="train a run whose checkpoints are all lost again from step 0")
     ap.add_argument("--debug", action="store_true",
                     help="profile a few steps into the run directory and stop, saving nothing")
     ap.add_argument("--multihost", action="store_true",
@@ -40,7 +44,10 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(s, interrupted)
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = apply_overrides(configs.load(args.config), overrides)
+        if args.config is None:  # resume, as the run's config.json says
+            args.config, cfg = resume_config(args.rundir, overrides)
+        else:
+            cfg = apply_overrides(configs.load(args.config), overrides)
         given = [f for f in MULTIHOST if getattr(args, f) is not None]
         if given and not args.multihost:  # else each host would train alone, in one run directory
             raise UsageError(f"--{given[0]} is for multi-host runs: add --multihost")
@@ -65,9 +72,14 @@ def main(argv: list[str] | None = None) -> None:
             data.load_split(cfg, "train"), data.load_split(cfg, "val")
             params.check(cfg)  # an edited model.py's parameter without a policy row, say
             # Process 0 checks and writes the run directory; the others only train in it.
-            rundir = (open_rundir(args.rundir, args.config, cfg) if jax.process_index() == 0
-                      else epath.Path(args.rundir))
-            train.train(cfg, rundir, debug=args.debug)
+            rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart)
+                            if jax.process_index() == 0 else (epath.Path(args.rundir), None))
+            try:
+                train.train(cfg, rundir, debug=args.debug)
+            except checkpoint.NothingToResume:  # a refused launch leaves the run as it was
+                if undo:
+                    undo()
+                raise
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
 

@@ -49,15 +49,62 @@ def load_task(name: str, limit: int | None = None) -> list[dict]:
         examples = [convert(r) for r in records.select(range(min(limit or len(records),
                                                                  len(records))))]
     elif Path(name).is_file():
-        lines = filter(str.strip, Path(name).read_text().splitlines())
-        examples = [json.loads(line) for line in lines][:limit]
+        examples = read_task_file(Path(name))[:limit]
     else:
         raise UsageError(f"task {name!r} is neither a file nor one of {', '.join(HF_TASKS)}")
-    for i, ex in enumerate(examples):
-        if not ("text" in ex or {"context", "choices", "label"} <= set(ex)):
-            raise UsageError(f"task {name}, example {i + 1}: needs context, choices and label "
-                             "(multiple choice) or text (last word); see inference/tasks.py's docstring")
     return examples
+
+
+def read_task_file(path: Path) -> list[dict]:
+    """A task's JSONL file, each line checked (one line naming the file and the line otherwise):
+    all multiple choice or all last word, as the module's docstring says."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise UsageError(f"task file {path}, line {line}: not UTF-8") from None
+    examples, kinds = [], set()
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ex = json.loads(line)
+        except ValueError as e:
+            raise UsageError(f"task file {path}, line {number}: not JSON ({e})") from None
+        if problem := task_problem(ex):
+            raise UsageError(f"task file {path}, line {number}, example {len(examples) + 1}: "
+                             f"{problem}; see inference/tasks.py's docstring")
+        kinds.add("text" in ex)
+        if len(kinds) > 1:
+            raise UsageError(f"task file {path}, line {number}, example {len(examples) + 1}: "
+                             f"multiple-choice and last-word lines in one file; a task is one "
+                             f"kind")
+        examples.append(ex)
+    if not examples:
+        raise UsageError(f"task file {path} has no examples")
+    return examples
+
+
+def task_problem(ex) -> str | None:
+    """What is wrong with one example, or None: {"context": str, "choices": [str, str, ...],
+    "label": int index of choices} or {"text": str of two words or more}."""
+    if not isinstance(ex, dict):
+        return "not a JSON object"
+    if "text" in ex:
+        if not isinstance(ex["text"], str) or len(ex["text"].split()) < 2:
+            return "text must be a string of two words or more (the last is scored)"
+        return None
+    if not {"context", "choices", "label"} <= set(ex):
+        return "needs context, choices and label (multiple choice) or text (last word)"
+    choices, label = ex["choices"], ex["label"]
+    if not isinstance(ex["context"], str):
+        return "context must be a string"
+    if not isinstance(choices, list) or len(choices) < 2 or \
+            not all(isinstance(c, str) and c for c in choices):
+        return "choices must be a list of two or more non-empty strings"
+    if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < len(choices):
+        return f"label must be an integer from 0 to {len(choices) - 1} (an index of choices)"
+    return None
 
 
 def requests(examples: list[dict]) -> list[tuple[str, str]]:

@@ -6,7 +6,10 @@ exactly where the saved one was. sample.py restores the model alone (restore_mod
 
 A restore checks a checkpoint's files against the record of what its save wrote (run/written.py), so
 that damage (a file cut short or lost, metadata altered) is told from a checkpoint of another
-model (check_fits); resume() sets a damaged one aside and goes back to the newest intact one.
+model (check_fits), and each restored array against the checksum its save recorded (fingerprints):
+bytes changed inside the array data, which zstd keeps no checksum of, read as other numbers.
+resume() sets a damaged one aside and goes back to the newest intact one; the run's record of the
+steps it saved (run/written.py's SAVED) tells a lost checkpoint from a run that never saved one.
 """
 import contextlib
 import copy
@@ -27,7 +30,7 @@ from jax.experimental import multihost_utils
 from configs import Config
 from run.errors import RunError, UsageError
 from model import GPT
-from run.written import damage, files, record_pending
+from run.written import SAVED, damage, files, record_pending, recorded_steps
 
 
 def checkpoint_manager(rundir: epath.Path, cfg: Config,
@@ -58,10 +61,46 @@ def saved_steps(rundir: epath.Path) -> list[int]:
     return ocp.path.step.checkpoint_steps(checkpoints_dir(rundir))
 
 
-@eqx.filter_jit
-def all_finite(tree) -> jax.Array:
-    arrays = [x for x in jax.tree.leaves(tree) if eqx.is_array(x)]
-    return jnp.stack([jnp.isfinite(x).all() for x in arrays]).all()
+@jax.jit
+def fingerprints(tree) -> list[jax.Array]:
+    """Per array: [all finite (0 or 1), sum of its bit patterns, sum weighted by position], the
+    sums as uint32 (mod 2**32). Integer sums are exact in any order, so the result is the same
+    however the array is sharded (a checkpoint may be restored on another device count). A change
+    of one element changes the first sum; the second catches elements swapped or changed together.
+    Computed where the arrays are, from the arrays themselves: the checkpoint is not read again."""
+    def one(x):
+        if x.dtype == jnp.bool_:
+            bits = x.astype(jnp.uint32)
+        else:
+            bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+        bits = bits.astype(jnp.uint32)
+        position = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
+        finite = jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else True
+        return jnp.stack([jnp.uint32(finite), bits.sum(dtype=jnp.uint32),
+                          (bits * (2 * position + 1)).sum(dtype=jnp.uint32)])
+
+    return [one(x) for x in jax.tree.leaves(tree)]
+
+
+def checksums(state: dict) -> dict[str, list[int]]:
+    """{"model.blocks.mlp.up": [finite, sum, weighted sum], ...} of a state's arrays, fetched."""
+    names = list(shapes(state))
+    return dict(zip(names, (v.tolist() for v in jax.device_get(fingerprints(state))),
+                    strict=True))
+
+
+def verify(step: int, state: dict, saved: dict) -> None:
+    """Damaged if an array restored is not finite or differs from the checksum saved with it.
+    Its buffers are freed first: the run goes on to restore an older checkpoint."""
+    now = checksums(state)
+    nonfinite = [n for n in now if not now[n][0]]  # named first: the likelier cause of trouble
+    bad = next(iter(nonfinite + [n for n in now if now[n] != saved.get(n)]), None)
+    if bad is None:
+        return
+    jax.tree.map(lambda x: x.delete(), state)
+    why = ("is not finite" if not now[bad][0] else "has no checksum recorded" if bad not in saved
+           else "differs from the checksum its save recorded")
+    raise Damaged(f"the checkpoint of step {step} is damaged: its array {bad} {why}")
 
 
 def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_state,
@@ -70,14 +109,16 @@ def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_stat
     background thread writes them. An error of the previous save is raised here. train.py decides
     when to save, so orbax's own save policy is overridden (force). The tally is copied: the thread
     may write it after the loop has appended the next steps' metrics to it."""
-    if not all_finite((model, opt_state)):  # the skipped steps should make this impossible
+    state = {"model": eqx.filter(model, eqx.is_array), "opt_state": opt_state}
+    sums = checksums(state)
+    if not all(finite for finite, *_ in sums.values()):  # the skipped steps should prevent it
         raise RunError(f"the state after step {step} is not finite; not saved "
                        f"(the last checkpoint is step {mngr.latest_step()})")
-    state = {"model": eqx.filter(model, eqx.is_array), "opt_state": opt_state}
     mngr.wait_until_finished()  # (as mngr.save would): the space the last save took is known
     check_space(mngr, step, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              tally=ocp.args.JsonSave(copy.deepcopy(tally)))
+                              tally=ocp.args.JsonSave(copy.deepcopy(tally)),
+                              checksums=ocp.args.JsonSave(sums))
     mngr.save(step, args=args, force=True)
 
 
@@ -94,8 +135,9 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
         check_fits(mngr, step, target)
         jax.tree.map(lambda x: x.delete(), (params, opt_state))
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                  tally=ocp.args.JsonRestore())
+                                  tally=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore())
         restored = mngr.restore(step, args=args)
+    verify(step, restored.state, restored.checksums or {})
     model = eqx.combine(restored.state["model"], static)
     return model, restored.state["opt_state"], restored.tally
 
@@ -103,13 +145,21 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
 def resume(mngr: ocp.CheckpointManager, model: GPT,
            opt_state) -> tuple[int, GPT, optax.OptState, dict | None]:
     """(step, model, opt_state, tally) of the newest intact checkpoint, or (0, model, opt_state,
-    None) if there is none. A damaged one is said in one line and renamed STEP.damaged (orbax
-    ignores that name), never deleted: its files may yet be copied back. With only damaged ones the
-    run stops: trained from step 0, it would overwrite the logs of the run they hold."""
+    None) for a run that has saved none. A damaged one is said in one line and renamed
+    STEP.damaged (orbax ignores that name), never deleted: its files may yet be copied back. The
+    newest step the run recorded (written.SAVED) that is gone is named. With none left of a run
+    that saved some, it stops (NothingToResume): trained from step 0, it would overwrite the logs
+    of the run they hold."""
     first, found = jax.process_index() == 0, (0, model, opt_state, None)
-    steps = sorted(mngr.all_steps(), reverse=True)
+    rundir = mngr.directory.parent
+    steps, recorded = sorted(mngr.all_steps(), reverse=True), recorded_steps(rundir)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("mugpt: checkpoints listed")  # before any rename
+    newest = max(recorded + steps[:1], default=0)
+    set_aside = (mngr.directory / f"{newest}.damaged").exists()  # said when it was renamed
+    if steps and newest not in steps and not set_aside and first:  # (none left: an error, below)
+        print(f"warning: the checkpoint of step {newest} is missing from {mngr.directory} (the "
+              f"run saved it, {SAVED} says)", file=sys.stderr, flush=True)
     for step in steps:
         try:
             found = step, *restore_checkpoint(mngr, model, opt_state, step)
@@ -122,16 +172,39 @@ def resume(mngr: ocp.CheckpointManager, model: GPT,
                 print(f"warning: {e}; renamed {aside}", file=sys.stderr, flush=True)
     agree(found[0])
     mngr.reload()  # forget the renamed steps: the run saves them again
-    if found[0] and found[0] != steps[0] and first:
+    if found[0] and found[0] != newest and first:
         print(f"warning: resuming from the newest intact checkpoint, step {found[0]}",
               file=sys.stderr, flush=True)
     damaged = [p.name for p in mngr.directory.iterdir() if ".damaged" in p.name] \
         if mngr.directory.exists() else []
     if not found[0] and damaged:
-        raise RunError(f"no intact checkpoint in {mngr.directory}, only damaged ones "
-                       f"({', '.join(sorted(damaged))}): copy them back from elsewhere, or "
-                       f"delete them to train from step 0")
+        raise NothingToResume(f"no intact checkpoint in {mngr.directory}, only damaged ones "
+                              f"({', '.join(sorted(damaged))}): copy them back from elsewhere, "
+                              f"or delete them and pass --restart to train from step 0")
+    if not found[0] and recorded:
+        raise NothingToResume(f"{rundir} saved checkpoints up to step {max(recorded)} ({SAVED}) "
+                              f"and none is left in {mngr.directory}: copy them back, or pass "
+                              f"--restart to train it again from step 0")
+    if first:
+        say_dropped(rundir, found[0])
     return found
+
+
+class NothingToResume(RunError):
+    """A run that has trained, with no checkpoint left to resume from: launch.py writes nothing."""
+
+
+def say_dropped(rundir: epath.Path, start: int) -> None:
+    """The metrics.jsonl lines that run/metrics.py's Logger drops at this start (logged after the
+    checkpoint: the run logs those steps again), said in one line: none goes silently."""
+    from run.metrics import logged_step
+
+    path = rundir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    if dropped := sum(not 0 <= logged_step(line) <= start for line in lines):
+        print(f"note: metrics.jsonl: {dropped} line(s) after step {start} (or unreadable) are "
+              f"dropped: they came after the checkpoint, and the run logs those steps again",
+              file=sys.stderr, flush=True)
 
 
 def agree(step: int) -> None:
@@ -161,6 +234,9 @@ def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = No
             partial_restore=True)
         with ocp.PyTreeCheckpointer() as checkpointer:
             restored = checkpointer.restore(state_dir(mngr, step), args=restore)
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+            saved = checkpointer.restore(mngr.directory / str(step) / "checksums")
+    verify(step, restored, saved)
     return eqx.combine(restored["model"], static)
 
 
@@ -223,9 +299,19 @@ def check_space(mngr: ocp.CheckpointManager, step: int, state: dict) -> None:
     free = shutil.disk_usage(directory).free
     size = lambda n: f"{n / 2**20:,.1f} MiB" if n >= 2**30 else f"{n:,} bytes"  # never "1 of 1"
     if free < needed:
+        kept = f"the checkpoints up to step {last} are intact" if last else "none saved yet"
         raise RunError(f"no space for the checkpoint of step {step} in {directory}: it needs "
-                       f"{size(needed)}, {size(free)} are free (the checkpoints up to step "
-                       f"{last} are intact): free some and run the same command to resume")
+                       f"{size(needed)}, {size(free)} are free ({kept}): free some and run the "
+                       f"same command to resume")
+
+
+def first_checkpoint_bytes(cfg: Config) -> int:
+    """What the first checkpoint of cfg's model may take: its parameters and Adam's two moments,
+    float32, uncompressed (launch.py checks the disk has room before it writes anything)."""
+    from params import init_gpt
+
+    shapes_ = jax.eval_shape(lambda: eqx.filter(init_gpt(cfg, jax.random.key(0)), eqx.is_array))
+    return 3 * 4 * sum(x.size for x in jax.tree.leaves(shapes_))
 
 
 def state_dir(mngr: ocp.CheckpointManager, step: int) -> epath.Path:

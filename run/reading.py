@@ -1,6 +1,5 @@
 """Reading a run that launch.py wrote: its config, its tokenizer, the model of a checkpoint. One
 module that sample.py, eval.py, export.py and bench.py use, so each reads a run the same way."""
-import json
 import logging
 
 import jax
@@ -11,6 +10,7 @@ from configs import Config
 from model import GPT
 from params import init_gpt
 from run.errors import UsageError
+from run.rundir import read_json, saved_config
 from text import tokenization
 
 
@@ -20,25 +20,33 @@ def tokenizer(meta: dict):
 
 
 def read_dataset_record(rundir: epath.Path, cfg: Config) -> dict:
-    """launch.py's copy of the dataset's meta.json, else (an older run, or unreadable) its own."""
-    try:
-        return json.loads((rundir / "dataset.json").read_text())
-    except (OSError, ValueError):
+    """launch.py's copy of the dataset's meta.json, else (an older run) the dataset's own, checked:
+    a record that is not JSON, lacks what the tokenizer needs or whose tokenizer does not load is
+    one line naming the file."""
+    path = rundir / "dataset.json"
+    if not path.exists():
         return data.read_meta(cfg)
+    meta = read_json(path)
+    try:
+        int(meta["vocab_size"])
+        tokenizer(meta)
+    except UsageError:  # tiktoken offline, say: not the file's fault
+        raise
+    except Exception as e:  # a key missing, the tokenizer's JSON cut short: whatever it raises
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+        raise UsageError(f"{path} is not a dataset record whose tokenizer loads ({why}): copy "
+                         f"the dataset's meta.json over it") from None
+    return meta
 
 
 def read_config(rundir: epath.Path) -> Config:
-    """The run's resolved config (launch.py's config.json); missing fields get today's defaults."""
+    """The run's resolved config (launch.py's config.json, checked); missing fields get today's
+    defaults."""
     if not rundir.is_dir():
         raise UsageError(f"no run directory {rundir}")
     if not (rundir / "config.json").exists():
         raise UsageError(f"{rundir} holds no run: it has no config.json")
-    saved = json.loads((rundir / "config.json").read_text())
-    if unknown := sorted(set(saved) - set(Config.__dataclass_fields__)):
-        fields = ", ".join(unknown)
-        raise UsageError(f"{rundir}/config.json has fields this code does not know ({fields}): "
-                         "a run of another version of mugpt")
-    return Config(**saved)
+    return Config(**saved_config(rundir))
 
 
 def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GPT, int]:

@@ -5,10 +5,12 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from etils import epath
 
@@ -35,20 +37,84 @@ def git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 
-def open_rundir(path: str | None, config_name: str, cfg: Config) -> epath.Path:
+def saved_config(rundir: epath.Path) -> dict:
+    """The run's config.json, checked: a JSON object of the fields this code knows (a field added
+    to Config since is its default). launch.py, sample.py, eval.py and export.py read it so."""
+    path = rundir / "config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except ValueError as e:  # cut short, not UTF-8
+        raise UsageError(f"{path} is not JSON ({str(e)[:60]}): not a run's config; restore it "
+                         f"or pass a new --rundir") from None
+    if not isinstance(saved, dict) or not saved:
+        raise UsageError(f"{path} is not a run's config (a JSON object of its fields, here "
+                         f"{str(saved)[:20]}); restore it or pass a new --rundir")
+    if unknown := sorted(set(saved) - set(Config.__dataclass_fields__)):
+        raise UsageError(f"{path} has fields this code does not know ({', '.join(unknown)}): "
+                         "a run of another version of mugpt")
+    try:
+        Config(**saved)  # each field's type
+    except UsageError as e:
+        raise UsageError(f"{path}: {e}") from None
+    return {**dataclasses.asdict(Config()), **saved}
+
+
+def resume_config(path: str, overrides: list[str]) -> tuple[str, Config]:
+    """(config name, config) of `python launch.py --rundir=R` with no --config: R's config.json,
+    with the overrides given, each of a field a resumed run may change."""
+    rundir = epath.Path(path or "")
+    if not path or not (rundir / "config.json").exists():
+        where = f": {rundir} holds no run to resume (no config.json)" if path else ""
+        raise UsageError(f"--config is needed{where}; one of: {', '.join(configs.available())}")
+    fixed = sorted({o.split("=")[0].removeprefix("--config.") for o in overrides} -
+                   set(configs.RESUMABLE))
+    if fixed:
+        raise UsageError(f"{rundir} resumes as its config.json says: {', '.join(fixed)} cannot "
+                         f"change (resuming may change only {', '.join(configs.RESUMABLE)})")
+    run = read_json(rundir / "run.json")
+    return run.get("config_name", ""), configs.apply_overrides(Config(**saved_config(rundir)),
+                                                                 overrides)
+
+
+def read_json(path: epath.Path) -> dict:
+    """A run's JSON record (run.json, dataset.json): {} if absent; a corrupt one is one line."""
+    if not path.exists():
+        return {}
+    try:
+        out = json.loads(path.read_text())
+    except ValueError as e:
+        out, why = None, f"not JSON ({str(e)[:60]})"
+    if not isinstance(out, dict):
+        raise UsageError(f"{path} is {why if out is None else 'not a JSON object'}: restore it, "
+                         f"or delete it (a new one is written)")
+    return out
+
+
+def open_rundir(path: str | None, config_name: str, cfg: Config,
+                restart: bool = False) -> tuple[epath.Path, Callable[[], None]]:
     """The run directory (default runs/CONFIG_NAME-TIMESTAMP) with config.json and run.json, locked
-    for this launch. One that holds a run is resumed; if it cannot be, nothing is written."""
+    for this launch, and a function that puts back the files it wrote as they were (train.py may
+    still refuse the run: launch.py calls it then). One that holds a run is resumed; if it cannot
+    be, nothing is written. restart: a run whose checkpoints are all lost trains from step 0, its
+    logs and record of checkpoints kept aside."""
     import data  # not at the top: it loads numpy, and a typo should not wait for that
     rundir = epath.Path(path or f"runs/{config_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    names = ("run.json", "dataset.json", "config.json")
     try:
         if (rundir / "config.json").exists():
             run = resumed(rundir, cfg, launch)
         else:
             run = {"config_name": config_name, **launch}
+        meta = data.read_meta(cfg)
+        check_dataset(rundir, meta, data.data_dir(cfg))
+        check_space(rundir, cfg)
+        before = {n: (rundir / n).read_bytes() if (rundir / n).exists() else None for n in names}
         rundir.mkdir(parents=True, exist_ok=True)
         lock_rundir(rundir)
-        record_dataset(rundir, data.read_meta(cfg), data.data_dir(cfg))
+        if restart:
+            set_aside(rundir)
+        (rundir / "dataset.json").write_text(json.dumps(meta, indent=1))
         (rundir / "run.json").write_text(json.dumps(run, indent=1))
         config = json.dumps(dataclasses.asdict(cfg), indent=1)
         (rundir / "config.json").write_text(config)  # last: it marks a run
@@ -57,32 +123,68 @@ def open_rundir(path: str | None, config_name: str, cfg: Config) -> epath.Path:
     except ImportError as e:  # epath reaches gs:// through fsspec, which needs gcsfs for it
         raise UsageError(f"{rundir}: {e} (pip install gcsfs)") from None
     print(f"run directory {rundir}")
-    return rundir
+    if cfg.max_steps < cfg.warmup_steps:
+        print(f"warning: max_steps={cfg.max_steps} ends before warmup_steps={cfg.warmup_steps} "
+              f"does: the learning rate never reaches learning_rate={cfg.learning_rate}",
+              file=sys.stderr, flush=True)
+
+    def undo():
+        for name, old in before.items():
+            if old is None:
+                (rundir / name).unlink(missing_ok=True)
+            else:
+                (rundir / name).write_bytes(old)
+    return rundir, undo
+
+
+def check_space(rundir: epath.Path, cfg: Config) -> None:
+    """Room for the next checkpoint before anything is written: the size of the last one, or for a
+    run without one its parameters and Adam's two moments, uncompressed (orbax compresses)."""
+    from run import checkpoint, written
+
+    written.recorded_steps(rundir)  # a corrupt record is refused here, before anything is written
+    if str(rundir).startswith("gs://"):
+        return
+    steps = checkpoint.saved_steps(rundir)
+    last = rundir / "checkpoints" / str(steps[-1]) if steps else None
+    needed = (sum(p.stat().length for p in written.files(last).values()) if last
+              else checkpoint.first_checkpoint_bytes(cfg))
+    where = next(p for p in (rundir, *rundir.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if free < needed:
+        raise UsageError(f"no space for a checkpoint in {rundir}: one needs {needed:,} bytes, "
+                         f"{free:,} are free: free some, or pass another --rundir")
+
+
+def set_aside(rundir: epath.Path) -> None:
+    """--restart: the run's metrics.jsonl and its record of checkpoints renamed NAME.before-STAMP,
+    said in one line; only where no checkpoint is left to resume from."""
+    from run import checkpoint, written
+
+    if steps := checkpoint.saved_steps(rundir):
+        raise UsageError(f"--restart: {rundir} has checkpoints (steps "
+                         f"{', '.join(map(str, steps))}); without --restart it resumes from them")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for name in ("metrics.jsonl", written.SAVED):
+        if (rundir / name).exists():
+            (rundir / name).rename(rundir / f"{name}.before-{stamp}")
+            print(f"--restart: {rundir / name} kept as {name}.before-{stamp}")
 
 
 def resumed(rundir: epath.Path, cfg: Config, launch: dict) -> dict:
     """The run's run.json with this launch added, if cfg differs from its config.json only in
-    RESUMABLE fields (given now, or a config module's default); else a UsageError."""
-    try:
-        saved = dict(json.loads((rundir / "config.json").read_text()))
-        if not saved:
-            raise ValueError("empty")
-    except (ValueError, TypeError):
-        message = f"{rundir}/config.json is not a run's config; pass a new --rundir"
-        raise UsageError(message) from None
-    new = dataclasses.asdict(cfg)
-    # a field added to Config since the run was saved is its default there (a new option, off)
-    saved = {**dataclasses.asdict(Config()), **saved}
-    for name, value in new.items():
-        if name not in configs.RESUMABLE and saved[name] != value:
-            raise UsageError(f"{rundir} holds a run with {name}={saved[name]!r}, this launch has "
-                             f"{name}={value!r}: resuming may change only "
-                             f"{', '.join(configs.RESUMABLE)}")
-    changed = [f"{n}={v!r} (was {saved[n]!r})" for n, v in new.items() if saved.get(n, v) != v]
+    RESUMABLE fields (given now, or a config module's default); else a UsageError naming each
+    field that differs."""
+    saved, new = saved_config(rundir), dataclasses.asdict(cfg)
+    differ = [f"{n}={saved[n]!r} there, {v!r} here" for n, v in new.items()
+              if n not in configs.RESUMABLE and saved[n] != v]
+    if differ:
+        raise UsageError(f"{rundir} holds a run with {'; '.join(differ)}: resuming may change "
+                         f"only {', '.join(configs.RESUMABLE)} (or pass --rundir alone)")
+    changed = [f"{n}={v!r} (was {saved[n]!r})" for n, v in new.items() if saved[n] != v]
     if changed:
         print(f"resuming with {', '.join(changed)}")
-    path = rundir / "run.json"
-    run = json.loads(path.read_text()) if path.exists() else {}
+    run = read_json(rundir / "run.json")
     return {**run, "resumed": run.get("resumed", []) + [launch]}
 
 
@@ -102,22 +204,20 @@ def lock_rundir(rundir: epath.Path) -> None:
                              f"(wait for it, or pass another --rundir)") from None
 
 
-def record_dataset(rundir: epath.Path, meta: dict, where) -> None:
-    """RUNDIR/dataset.json: the dataset's meta.json as the run first trained on it. sample.py
-    decodes with it whatever becomes of the dataset; a resume on a dataset prepared again (another
-    vocabulary, other token counts: other text behind the same ids and offsets) is refused."""
+def check_dataset(rundir: epath.Path, meta: dict, where) -> None:
+    """RUNDIR/dataset.json is the dataset's meta.json as the run first trained on it (open_rundir
+    writes it). sample.py decodes with it whatever becomes of the dataset; a resume on a dataset
+    prepared again (another vocabulary, other token counts: other text behind the same ids and
+    offsets) is refused."""
     from run.checkpoint import saved_steps
 
     path = rundir / "dataset.json"
-    try:  # compared once the run has saved a step: a launch that failed before may bring a new one
-        old = json.loads(path.read_text()) if path.exists() and saved_steps(rundir) else meta
-    except ValueError:  # not JSON (a hand edit, a disk error): this launch's record replaces it
-        old = meta
-    if old != meta and isinstance(old, dict):  # (JSON but no object: replaced too)
+    # compared once the run has saved a step: a launch that failed before may bring a new one
+    old = read_json(path) if saved_steps(rundir) else meta
+    if old and old != meta:
         key = next(k for k in sorted(old.keys() | meta.keys()) if old.get(k) != meta.get(k))
         was, now = str(old.get(key))[:30], str(meta.get(key))[:30]
         raise UsageError(f"{where} is not the dataset {rundir} trained on ({key} {was} in its "
                          f"dataset.json, {now} now): prepare it as it was, or start a new "
                          f"--rundir")
-    path.write_text(json.dumps(meta, indent=1))
 

@@ -1,7 +1,9 @@
 """What a checkpoint's save wrote: each file's size, and the CRC32 of the small ones (orbax's
 metadata), recorded in the step's RECORD just before orbax commits the step, and checked when it
 is restored (run/checkpoint.py): a file cut short or lost, or metadata altered, is damage, told apart
-from a readable checkpoint of another model.
+from a readable checkpoint of another model. And the run's own record of the steps it saved
+(RUNDIR/checkpoints.json), which outlives the step directories: a lost checkpoint is then told from
+one never saved.
 """
 import json
 import zlib
@@ -10,11 +12,14 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from run.errors import UsageError
+
 RECORD = "written.json"  # in each checkpoint: {file: [bytes, CRC32 or None]}
 # Files up to this size (orbax's metadata) are checksummed as well. A checksum reads the file back,
 # which for the array data (all but a few KB of a checkpoint) would cost a read of the whole
 # checkpoint at each save; their sizes catch what a partial copy or a full disk does to them.
 CHECKSUMMED = 1 << 20
+SAVED = "checkpoints.json"  # in the run directory: {"saved": [step, ...]}, each step once written
 
 
 def files(directory: epath.Path) -> dict[str, epath.Path]:
@@ -34,6 +39,30 @@ def record_pending(directory: epath.Path) -> None:
         pending = step_dir.name.isdigit() and not (step_dir / "commit_success.txt").exists()
         if ocp.path.step.TMP_DIR_SUFFIX in step_dir.name or pending:
             record(step_dir)
+            # before orbax's rename: a kill between the two leaves a step recorded but not
+            # committed, which the next launch reports as lost (it was) and falls back from
+            remember(directory.parent, int(step_dir.name.split(".")[0]))
+
+
+def recorded_steps(rundir: epath.Path) -> list[int]:
+    """The steps the run has saved, as SAVED records them ([] if it has none)."""
+    path = rundir / SAVED
+    try:
+        saved = json.loads(path.read_text())["saved"] if path.exists() else []
+        if not all(isinstance(s, int) for s in saved):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise UsageError(f"{path} is corrupt (not {{\"saved\": [steps]}}): delete it to resume "
+                         f"from the checkpoints left") from None
+    return saved
+
+
+def remember(rundir: epath.Path, step: int) -> None:
+    """Add step to SAVED, written aside and renamed into place: a kill never leaves half of it."""
+    steps = sorted(set(recorded_steps(rundir)) | {step})
+    tmp = rundir / (SAVED + ".tmp")
+    tmp.write_text(json.dumps({"saved": steps}))
+    tmp.replace(rundir / SAVED)
 
 
 def record(step_dir: epath.Path) -> None:
@@ -48,10 +77,10 @@ def record(step_dir: epath.Path) -> None:
 
 
 def damage(step_dir: epath.Path) -> str | None:
-    """The first of the checkpoint's files that differs from its RECORD; None if none does or it
-    has no RECORD."""
+    """The first of the checkpoint's files that differs from its RECORD; None if none does. A
+    checkpoint without RECORD is damaged too: the file lost, or a copy that left it behind."""
     if not (step_dir / RECORD).exists():
-        return None
+        return f"its {RECORD} is missing"
     try:
         written = json.loads((step_dir / RECORD).read_text())
     except ValueError:

@@ -397,8 +397,8 @@ def test_resume_with_another_model_shape_is_one_line_and_writes_nothing(shakespe
     saved = json.dumps(dataclasses.asdict(tiny_config()), indent=1)
     (rundir / "config.json").write_text(saved)
     r = run(launch_args(rundir, "--config.n_layer=3"), env)
-    assert_one_line_error(r, f"{rundir} holds a run with n_layer=2, this launch has n_layer=3: "
-                             f"resuming may change only max_steps")
+    assert_one_line_error(r, f"{rundir} holds a run with n_layer=2 there, 3 here: resuming may "
+                             f"change only max_steps")
     assert len(r.stderr.strip().splitlines()) == 1
     assert (rundir / "config.json").read_text() == saved
     assert sorted(p.name for p in rundir.iterdir()) == ["config.json"]
@@ -486,3 +486,76 @@ def test_gs_run_directory_without_gcsfs_is_one_line(shakespeare, env):
     r = run(["launch.py", *TINY, "--rundir=gs://no-such-bucket/run"], env)
     assert_one_line_error(r, "gs://no-such-bucket/run: Please install gcsfs")
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_fingerprints_are_the_sums_of_the_bit_patterns():
+    """Against numpy's sums of the same bits (uint64, then mod 2**32), for float32, bfloat16,
+    int32 and bool arrays: the same numbers, and a change of one element or a swap of two changes
+    them. (The same on N devices: test_checkpoint_restores_onto_another_mesh restores, and so
+    checks, on 2 devices what 8 saved and on 8 what 2 saved.)"""
+    from run.checkpoint import fingerprints
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.normal(size=(6, 8)).astype(np.float32),
+              jnp.asarray(rng.normal(size=(4, 2)), jnp.bfloat16),
+              rng.integers(-2**31, 2**31, (10,), dtype=np.int32), np.array([True, False, True]),
+              np.array([1.0, np.inf], np.float32)]
+
+    def numpy_sums(x):
+        x = np.asarray(x)
+        kind = np.uint32 if x.dtype == np.bool_ else np.dtype(f"uint{8 * x.dtype.itemsize}")
+        bits = x.astype(kind) if x.dtype == np.bool_ else x.view(kind)
+        bits = bits.ravel().astype(np.uint64)
+        weights = 2 * np.arange(bits.size, dtype=np.uint64) + 1
+        finite = np.isfinite(x).all() if np.issubdtype(x.dtype, np.inexact) or \
+            x.dtype == jnp.bfloat16 else True
+        return [int(finite), int(bits.sum() % 2**32), int((bits * weights).sum() % 2**32)]
+
+    expected = [numpy_sums(x) for x in arrays]
+    assert [v.tolist() for v in fingerprints(arrays)] == expected
+    changed, swapped = arrays[0].copy(), arrays[0].copy()
+    changed[3, 4] = np.nextafter(changed[3, 4], np.float32(np.inf))
+    swapped[[0, 1]] = swapped[[1, 0]]
+    for other in (changed, swapped):
+        s = fingerprints([other])[0].tolist()
+        assert s[1:] != expected[0][1:]
+    assert expected[-1][0] == 0  # inf: not finite
+
+
+def test_launch_without_space_for_the_first_checkpoint_is_refused_before_writing(
+        shakespeare, tmp_path, monkeypatch):
+    """Its size is the model's parameters and Adam's two moments, float32; a disk with less free
+    (the reported free space made smaller) refuses the launch and nothing is created."""
+    import shutil as shutil_module
+
+    from run import rundir as rundir_module
+    from run.checkpoint import first_checkpoint_bytes
+
+    cfg = tiny_config()
+    s = train.setup(cfg, train.make_mesh(cfg))
+    n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(s.model, eqx.is_array)))
+    assert first_checkpoint_bytes(cfg) == 3 * 4 * n_params
+    real = shutil_module.disk_usage
+    usage = lambda path: real(path)._replace(free=3 * 4 * n_params - 1)
+    monkeypatch.setattr(rundir_module.shutil, "disk_usage", usage)
+    with pytest.raises(UsageError, match=f"no space for a checkpoint in {tmp_path / 'run'}: one "
+                                         f"needs {3 * 4 * n_params:,} bytes, "
+                                         f"{3 * 4 * n_params - 1:,} are free"):
+        rundir_module.open_rundir(str(tmp_path / "run"), "tiny", cfg)
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_space_at_the_first_save_says_none_is_saved_yet(tmp_path, monkeypatch):
+    """Not "the checkpoints up to step None are intact"."""
+    import run.checkpoint as ckpt
+
+    cfg = tiny()
+    s = train.setup(cfg, train.make_mesh(cfg))
+    mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
+    (tmp_path / "checkpoints").mkdir(exist_ok=True)
+    real = shutil.disk_usage
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: real(p)._replace(free=1))
+    with pytest.raises(ckpt.RunError, match=r"no space for the checkpoint of step 4 in .*: it "
+                                            r"needs [\d,]+ bytes, 1 bytes are free \(none saved "
+                                            r"yet\): free some"):
+        save_checkpoint(mngr, 4, s.model, s.opt_state, {})

@@ -1,13 +1,16 @@
 """Damage rather than interruption: checkpoints cut short, lost or altered, a full disk, and a run
 directory read by someone else. Real orbax, real launches, a real (tmpfs) filesystem."""
 import fcntl
+import itertools
 import json
 import os
 import re
 import shutil
 import subprocess
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from etils import epath
 
@@ -19,7 +22,7 @@ from run.metrics import Logger
 import test_checkpoint
 from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, final_state,
                              launch_args, records, run, tiny_config)
-from run.written import damage
+from run.written import damage, record
 
 env = test_checkpoint.env  # its fixture: the launches share one compilation cache
 
@@ -75,15 +78,43 @@ def alter_metadata(ckpt):
     return "state/_METADATA differs from what was written (CRC32)"
 
 
-def truncate_unrecorded(ckpt):
-    """As a checkpoint saved before checkpoints had a record: the damage is found by reading."""
-    (ckpt / "written.json").unlink()
+def flip(ckpt, finite: bool) -> str:
+    """Bytes inverted in the middle of the largest array data file, where they decompress to other
+    numbers, finite or not as asked, the record of the files then written again: as damage that
+    record cannot see (a file over its checksummed size, bytes changed before it was written).
+    zstd keeps no checksum of its own. Where the arrays lie in orbax's files varies from save to
+    save, so the place is found by reading (orbax alone, no check of ours)."""
     path = largest(ckpt)[0]
-    os.truncate(path, 1000)
-    return "reading it failed: OUT_OF_RANGE: Error reading"
+    data = path.read_bytes()
+    for where, n in itertools.product((0.5, 0.3, 0.7, 0.4, 0.6, 0.2, 0.8), (64, 16, 4)):
+        i = int(where * len(data))
+        path.write_bytes(data[:i] + bytes(b ^ 0xFF for b in data[i:i + n]) + data[i + n:])
+        try:
+            arrays = jax.tree.leaves(ocp.StandardCheckpointer().restore(ckpt / "state"))
+        except Exception:  # zstd found the damage: not the case asked for
+            continue
+        if all(np.isfinite(np.asarray(x)).all() for x in arrays) == finite:
+            record(epath.Path(ckpt))
+            return "differs from the checksum its save recorded" if finite else "is not finite"
+    raise AssertionError("no place found to damage")
 
 
-@pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, truncate_unrecorded])
+def flip_reads_finite(ckpt):
+    return flip(ckpt, finite=True)
+
+
+def flip_reads_nonfinite(ckpt):
+    return flip(ckpt, finite=False)
+
+
+def delete_record(ckpt):
+    """Without its record a checkpoint is damaged (not a checkpoint the check skips)."""
+    (ckpt / "written.json").unlink()
+    return "its written.json is missing"
+
+
+@pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, flip_reads_finite,
+                                       flip_reads_nonfinite, delete_record])
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_one(
         straight, tmp_path, env, damage_it):
     """The straight run's directory with its last checkpoint damaged, and the same command again:
@@ -100,10 +131,18 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_o
                         f"{warnings[0].split(': ', 2)[-1]}",
                         f"warning: resuming from the newest intact checkpoint, step {STEPS // 2}"]
     assert expected in warnings[0] and warnings[0].endswith(f"; renamed {STEPS}.damaged")
-    assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
+    assert_resumed_as_straight(r, rundir, straight)
     assert (rundir / "checkpoints" / f"{STEPS}.damaged" / "state").is_dir()
-    assert committed_steps(rundir) == [STEPS // 2, STEPS]
     assert damage(epath.Path(rundir / "checkpoints" / str(STEPS))) is None  # saved again, whole
+
+
+def assert_resumed_as_straight(r, rundir, straight, start=STEPS // 2):
+    """Resumed at `start`, saying which metrics lines it drops, and ended as the straight run."""
+    assert f"resuming from the checkpoint of step {start}" in r.stdout
+    dropped = sum(line["step"] > start for line in straight[1])
+    assert f"note: metrics.jsonl: {dropped} line(s) after step {start} (or unreadable) are " \
+           f"dropped" in r.stderr
+    assert committed_steps(rundir) == [STEPS // 2, STEPS]
     assert records(rundir) == straight[1]
     assert tensorboard_scalars(rundir) == straight[2]
     final = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
@@ -111,21 +150,68 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_o
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_lost_newest_checkpoint_is_named_and_the_run_resumes_from_the_one_before(
+        straight, tmp_path, env):
+    """The newest step directory deleted: the run's checkpoints.json names it, and the run goes
+    on from the one before, as the straight run."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    shutil.rmtree(rundir / "checkpoints" / str(STEPS))
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
+    assert r.returncode == 0, r.stderr
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: the checkpoint of step {STEPS} is missing from "
+                        f"{rundir / 'checkpoints'} (the run saved it, checkpoints.json says)",
+                        f"warning: resuming from the newest intact checkpoint, step {STEPS // 2}"]
+    assert_resumed_as_straight(r, rundir, straight)
+
+
+def unchanged(rundir) -> dict:
+    return {n: (rundir / n).read_bytes() for n in ("config.json", "run.json", "metrics.jsonl",
+                                                   "dataset.json")}
+
+
+def test_all_checkpoints_lost_is_refused_in_one_line_and_restart_trains_again(
+        straight, tmp_path, env):
+    """checkpoints/ deleted: the launch refuses (with another max_steps, which config.json would
+    otherwise keep) and writes nothing; with --restart it trains from step 0, keeping the old
+    metrics.jsonl aside and saying so, and ends as the straight run."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    shutil.rmtree(rundir / "checkpoints")
+    before = unchanged(rundir)
+    r = run(launch_args(rundir, f"--config.max_steps={2 * STEPS}"), env)
+    assert_one_line_error(r, f"{rundir} saved checkpoints up to step {STEPS} (checkpoints.json) "
+                             f"and none is left in {rundir / 'checkpoints'}: copy them back, or "
+                             f"pass --restart")
+    assert "warning" not in r.stderr  # the one line says it all
+    assert unchanged(rundir) == before
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS}", "--restart"), env)
+    assert r.returncode == 0, r.stderr
+    kept = [p.name for p in rundir.iterdir() if p.name.startswith("metrics.jsonl.before-")]
+    assert len(kept) == 1 and f"--restart: {rundir / 'metrics.jsonl'} kept as {kept[0]}" in r.stdout
+    assert (rundir / kept[0]).read_bytes() == before["metrics.jsonl"]
+    assert records(rundir) == straight[1]
+    final = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+    for a, b in zip(final, straight[3], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_no_intact_checkpoint_is_one_line_and_keeps_them(straight, tmp_path, env):
-    """Every checkpoint damaged: one line and exit 1, both kept, the logs untouched; the next launch
-    says the same rather than train from step 0 over the run's logs."""
+    """Every checkpoint damaged: one line and exit 1, both kept, the logs, config.json and run.json
+    untouched; the next launch says the same rather than train from step 0 over the run's logs."""
     rundir = tmp_path / "run"
     shutil.copytree(straight[0], rundir)
     truncate(rundir / "checkpoints" / str(STEPS))
-    delete(rundir / "checkpoints" / str(STEPS // 2))
-    metrics = (rundir / "metrics.jsonl").read_text()
-    for _ in range(2):
-        r = run(launch_args(rundir, f"--config.max_steps={STEPS}"), env)
+    flip_reads_finite(rundir / "checkpoints" / str(STEPS // 2))  # found by the restore's check
+    before = unchanged(rundir)
+    for _ in range(2):  # (another max_steps: config.json would keep it)
+        r = run(launch_args(rundir, f"--config.max_steps={2 * STEPS}"), env)
         assert_one_line_error(r, f"no intact checkpoint in {rundir / 'checkpoints'}, only damaged "
                                  f"ones ({STEPS}.damaged, {STEPS // 2}.damaged): copy them back")
     assert sorted(p.name for p in (rundir / "checkpoints").iterdir()) == [
         f"{STEPS}.damaged", f"{STEPS // 2}.damaged"]
-    assert (rundir / "metrics.jsonl").read_text() == metrics
+    assert unchanged(rundir) == before
 
 
 def test_a_checkpoint_of_another_model_is_not_called_damaged(tmp_path):
@@ -246,3 +332,96 @@ def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path):
     logger.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": 10, "loss": 1.0}, {"step": 20, "loss": 2.0}, {"step": 30, "loss": 4.0}]
+
+
+TOOLS = {  # each command that reads a run directory, as a user runs it
+    "launch": lambda rundir, out: ["launch.py", f"--rundir={rundir}"],
+    "launch --config": lambda rundir, out: launch_args(rundir, f"--config.max_steps={STEPS}"),
+    "sample": lambda rundir, out: ["sample.py", f"--rundir={rundir}", "--max_new_tokens=4"],
+    "export": lambda rundir, out: ["export.py", f"--rundir={rundir}", f"--out={out}"],
+    "eval": lambda rundir, out: ["eval.py", f"--rundir={rundir}", f"--tasks={out}.jsonl"],
+}
+
+
+def cut_short(path):
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    return f"{path} is not JSON"
+
+
+def null(path):
+    path.write_text("null")
+    return f"{path} is not a run's config"
+
+
+def unknown_field(path):
+    path.write_text(json.dumps({**json.loads(path.read_text()), "from_the_future": 1}))
+    return f"{path} has fields this code does not know (from_the_future)"
+
+
+@pytest.mark.parametrize("tool,fault", [(t, cut_short) for t in TOOLS] + [
+    ("launch", null), ("sample", null), ("launch --config", unknown_field)])
+def test_a_bad_config_json_is_one_line_in_each_tool_and_nothing_is_written(
+        straight, tmp_path, env, tool, fault):
+    """config.json cut short, null, or with a field this code does not know: each command says so
+    in one line naming the file (launch.py as sample.py does: it does not drop the field)."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    (tmp_path / "out.jsonl").write_text('{"text": "two words"}\n')
+    message = fault(rundir / "config.json")
+    before = listing(rundir)
+    r = run(TOOLS[tool](rundir, tmp_path / "out"), env)
+    assert_one_line_error(r, message)
+    assert listing(rundir) == before and not (tmp_path / "out").exists()
+
+
+def bad_run_json(rundir):
+    (rundir / "run.json").write_text('{"config_name": ')
+    return f"{rundir / 'run.json'} is not JSON"
+
+
+def bad_dataset_json(rundir):
+    (rundir / "dataset.json").write_text("[]")
+    return f"{rundir / 'dataset.json'} is not a JSON object"
+
+
+def bad_tokenizer(rundir):
+    meta = json.loads((rundir / "dataset.json").read_text())
+    meta["tokenizer"] = {"kind": "hf", "json": '{"version": "1.0", "model": '}
+    (rundir / "dataset.json").write_text(json.dumps(meta))
+    return f"{rundir / 'dataset.json'} is not a dataset record whose tokenizer loads"
+
+
+@pytest.mark.parametrize("tool,fault", [("launch", bad_run_json), ("sample", bad_dataset_json),
+                                        ("launch --config", bad_dataset_json),
+                                        ("eval", bad_tokenizer), ("export", bad_tokenizer)])
+def test_a_bad_run_record_is_one_line_naming_the_file(straight, tmp_path, env, tool, fault):
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    (tmp_path / "out.jsonl").write_text('{"text": "two words"}\n')
+    message = fault(rundir)
+    before = listing(rundir)
+    r = run(TOOLS[tool](rundir, tmp_path / "out"), env)
+    assert_one_line_error(r, message)
+    assert listing(rundir) == before and not (tmp_path / "out").exists()
+
+
+def test_eval_refuses_a_malformed_task_file_in_one_line(straight, tmp_path, env):
+    (tmp_path / "out.jsonl").write_text('{"context": "a", "choices": [" b", " c"], "label": 2}\n')
+    r = run(TOOLS["eval"](straight[0], tmp_path / "out"), env)
+    assert_one_line_error(r, f"task file {tmp_path / 'out.jsonl'}, line 1, example 1: label "
+                             f"must be an integer from 0 to 1")
+
+
+def test_resume_with_the_run_directory_alone_equals_the_straight_run(straight, tmp_path, env):
+    """STEPS/2 steps, then `launch.py --rundir=R --config.max_steps=STEPS`: config.json supplies
+    the rest, and the run ends as the straight one."""
+    rundir = tmp_path / "run"
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS // 2}"), env)
+    assert r.returncode == 0, r.stderr
+    r = run(["launch.py", f"--rundir={rundir}", f"--config.max_steps={STEPS}"], env)
+    assert r.returncode == 0, r.stderr
+    assert f"resuming with max_steps={STEPS} (was {STEPS // 2})" in r.stdout
+    assert records(rundir) == straight[1]
+    final = final_state(rundir, tiny_config(f"--config.max_steps={STEPS}"))
+    for a, b in zip(final, straight[3], strict=True):
+        np.testing.assert_array_equal(a, b)

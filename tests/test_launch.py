@@ -210,13 +210,36 @@ def test_a_run_saved_before_a_config_field_existed_resumes(shakespeare, tmp_path
     rundir = tmp_path / "run"
     r = run(["launch.py", *TINY_RUN, "--config.max_steps=2", f"--rundir={rundir}"])
     assert r.returncode == 0, r.stderr
+    assert "warning: max_steps=2 ends before warmup_steps=4 does: the learning rate never " \
+           "reaches learning_rate=0.002" in r.stderr.splitlines()
     saved = json.loads((rundir / "config.json").read_text())
     del saved["norm_gain"]  # as if norm_gain had been added to Config after this run
     (rundir / "config.json").write_text(json.dumps(saved))
     r = run(["launch.py", *TINY_RUN, "--config.max_steps=3", f"--rundir={rundir}"])
     assert r.returncode == 0, r.stderr
     r = run(["launch.py", *TINY_RUN, "--config.norm_gain=true", f"--rundir={rundir}"])
-    assert r.returncode == 1 and "holds a run with norm_gain=False" in r.stderr, r.stderr
+    assert r.returncode == 1 and "holds a run with norm_gain=False there" in r.stderr, r.stderr
+
+
+def test_a_resume_with_another_config_names_every_field_that_differs(shakespeare, tmp_path):
+    """Each field, not only the first; with --rundir alone, an override of a field a resume may
+    not change is refused, each named. Nothing is written."""
+    from conftest import TINY_RUN
+    rundir = tmp_path / "run"
+    r = run(["launch.py", *TINY_RUN, "--config.max_steps=1", f"--rundir={rundir}"])
+    assert r.returncode == 0, r.stderr
+    files = {p.name: p.read_bytes() for p in rundir.iterdir() if p.is_file()}
+    r = run(["launch.py", "--config=shakespeare_char_cpu", f"--rundir={rundir}"])
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    for field in ("n_layer=2 there, 4 here", "d_model=32 there, 128 here", "n_head=2 there, 4",
+                  "block_size=16 there, 64 here", "batch_size=8 there, 12 here",
+                  "warmup_steps=4 there, ", "learning_rate=0.002 there, "):
+        assert field in r.stderr, r.stderr
+    r = run(["launch.py", f"--rundir={rundir}", "--config.n_layer=3", "--config.max_steps=2",
+             "--config.seed=1"])
+    assert r.returncode == 1 and r.stderr.startswith(
+        f"error: {rundir} resumes as its config.json says: n_layer, seed cannot change"), r.stderr
+    assert {p.name: p.read_bytes() for p in rundir.iterdir() if p.is_file()} == files
 
 
 def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):

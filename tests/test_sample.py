@@ -194,8 +194,10 @@ def test_samples_decode_with_the_run_directorys_dataset_record(run_dir, tmp_path
     meta["tokenizer"]["chars"] = meta["tokenizer"]["chars"].swapcase()
     (tmp_path / "run" / "dataset.json").write_text(json.dumps(meta))
     assert greedy(tmp_path / "run", "romeo:") == text.swapcase() and text.startswith("ROMEO:")
-    (tmp_path / "run" / "dataset.json").write_text("{not json")  # unreadable: the dataset's own meta.json, as before
     (tmp_path / "run" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "run" / "dataset.json").write_text("{not json")  # unreadable: one line naming it
+    assert error_line([f"--rundir={tmp_path / 'run'}"]).startswith(f"error: {tmp_path / 'run' / 'dataset.json'} is not JSON")
+    (tmp_path / "run" / "dataset.json").unlink()  # none (an older run): the dataset's own meta.json
     assert greedy(tmp_path / "run", "ROMEO:") == text
 
 

@@ -1,0 +1,58 @@
+"""eval.py's local task files checked line by line (inference/tasks.py): each malformed file is
+one line naming the file and the line, never a traceback or a silent score."""
+import json
+
+import pytest
+
+from inference.tasks import load_task
+from run.errors import UsageError
+
+CHOICE = {"context": "The cat sat on the", "choices": [" mat", " moon"], "label": 0}
+WORD = {"text": "The cat sat on the mat"}
+
+
+def lines(*records) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+MALFORMED = [
+    (b'{"text": "a b"\n', "line 1: not JSON"),
+    (lines(CHOICE) + b"[1, 2]\n", "line 2, example 2: not a JSON object"),
+    (lines(CHOICE) + '{"text": "caf\xe9 au lait"}\n'.encode("latin-1"), "line 2: not UTF-8"),
+    (lines({**CHOICE, "choices": []}), "line 1, example 1: choices must be a list of two"),
+    (lines({**CHOICE, "choices": " mat"}), "line 1, example 1: choices must be a list of two"),
+    (lines({**CHOICE, "choices": [" mat"], "label": 0}), "choices must be a list of two"),
+    (lines({**CHOICE, "choices": [" mat", 3]}), "choices must be a list of two"),
+    (lines({**CHOICE, "label": 2}), "line 1, example 1: label must be an integer from 0 to"),
+    (lines({**CHOICE, "label": -1}), "line 1, example 1: label must be an integer from 0 to"),
+    (lines({**CHOICE, "label": "0"}), "line 1, example 1: label must be an integer from 0 to"),
+    (lines({**CHOICE, "label": True}), "line 1, example 1: label must be an integer from 0 to"),
+    (lines({**CHOICE, "context": 5}), "line 1, example 1: context must be a string"),
+    (lines({"context": "a", "label": 0}), "line 1, example 1: needs context, choices and label"),
+    (lines(WORD, {"text": "word"}), "line 2, example 2: text must be a string of two"),
+    (lines({"text": ""}), "line 1, example 1: text must be a string of two"),
+    (lines({"text": ["a", "b"]}), "line 1, example 1: text must be a string of two"),
+    (lines(WORD, CHOICE), "line 2, example 2: multiple-choice and last-word lines in one file"),
+    (lines(CHOICE, WORD), "line 2, example 2: multiple-choice and last-word lines in one file"),
+    (b"", "has no examples"),
+    (b"\n  \n", "has no examples"),
+]
+
+
+@pytest.mark.parametrize("content,message", MALFORMED)
+def test_a_malformed_task_file_is_one_line_naming_the_file_and_line(tmp_path, content, message):
+    path = tmp_path / "task.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(UsageError) as e:
+        load_task(str(path))
+    assert str(e.value).startswith(f"task file {path}") and message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_well_formed_task_files_load_as_written(tmp_path):
+    """Blank lines are skipped; limit keeps the first examples."""
+    for records in ([CHOICE, {**CHOICE, "label": 1}], [WORD, {"text": "two words"}]):
+        path = tmp_path / "task.jsonl"
+        path.write_bytes(lines(records[0]) + b"\n" + lines(*records[1:]))
+        assert load_task(str(path)) == records
+        assert load_task(str(path), limit=1) == records[:1]

@@ -89,11 +89,17 @@ def checksums(state: dict) -> dict[str, list[int]]:
                     strict=True))
 
 
-def verify(step: int, state: dict, saved: dict) -> None:
+def verify(step: int, state: dict, saved: dict | None) -> None:
     """Damaged if an array restored is not finite or differs from the checksum saved with it.
-    Its buffers are freed first: the run goes on to restore an older checkpoint."""
+    Its buffers are freed first: the run goes on to restore an older checkpoint. saved None: a
+    checkpoint of a mugpt from before checksums, checked for finite values only (said in a line),
+    so that upgrading never sets a run's checkpoints aside."""
     now = checksums(state)
     nonfinite = [n for n in now if not now[n][0]]  # named first: the likelier cause of trouble
+    if saved is None:
+        print(f"note: the checkpoint of step {step} has no checksums (saved by an older mugpt): "
+              "its arrays are checked for finite values only", file=sys.stderr)
+        saved = now
     bad = next(iter(nonfinite + [n for n in now if now[n] != saved.get(n)]), None)
     if bad is None:
         return
@@ -134,10 +140,12 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
     with damage_as_one_line(mngr, step):
         check_fits(mngr, step, target)
         jax.tree.map(lambda x: x.delete(), (params, opt_state))
+        recorded = (mngr.directory / str(step) / "checksums").exists()  # else an older mugpt's
+        items = dict(checksums=ocp.args.JsonRestore()) if recorded else {}
         args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
-                                  tally=ocp.args.JsonRestore(), checksums=ocp.args.JsonRestore())
+                                  tally=ocp.args.JsonRestore(), **items)
         restored = mngr.restore(step, args=args)
-    verify(step, restored.state, restored.checksums or {})
+    verify(step, restored.state, (restored.checksums or {}) if recorded else None)
     model = eqx.combine(restored.state["model"], static)
     return model, restored.state["opt_state"], restored.tally
 
@@ -234,8 +242,10 @@ def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = No
             partial_restore=True)
         with ocp.PyTreeCheckpointer() as checkpointer:
             restored = checkpointer.restore(state_dir(mngr, step), args=restore)
-        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
-            saved = checkpointer.restore(mngr.directory / str(step) / "checksums")
+        saved = None  # an older mugpt's checkpoint: finite values only
+        if (mngr.directory / str(step) / "checksums").exists():
+            with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+                saved = checkpointer.restore(mngr.directory / str(step) / "checksums")
     verify(step, restored, saved)
     return eqx.combine(restored["model"], static)
 

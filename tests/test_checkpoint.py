@@ -559,3 +559,25 @@ def test_no_space_at_the_first_save_says_none_is_saved_yet(tmp_path, monkeypatch
                                             r"needs [\d,]+ bytes, 1 bytes are free \(none saved "
                                             r"yet\): free some"):
         save_checkpoint(mngr, 4, s.model, s.opt_state, {})
+
+
+def test_a_checkpoint_saved_before_checksums_restores_with_a_note(tmp_path, capsys):
+    """An older mugpt saved no checksums item: upgrading must not set a run's checkpoints aside.
+    Such a checkpoint restores bit for bit, checked for finite values only, and says so."""
+    import orbax.checkpoint as ocp
+
+    cfg = tiny()
+    s = train.setup(cfg, train.make_mesh(cfg))
+    mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
+    state = {"model": eqx.filter(s.model, eqx.is_array), "opt_state": s.opt_state}
+    old_save = ocp.args.Composite(state=ocp.args.StandardSave(state), tally=ocp.args.JsonSave({}))
+    mngr.save(1, args=old_save, force=True)  # as save_checkpoint wrote it before checksums
+    mngr.wait_until_finished()
+    assert not (tmp_path / "1" / "checksums").exists()
+    s2 = train.setup(dataclasses.replace(cfg, seed=1), train.make_mesh(cfg))
+    model = restore_checkpoint(mngr, s2.model, s2.opt_state)[0]
+    for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert "has no checksums (saved by an older mugpt)" in capsys.readouterr().err
+    assert restore_model(mngr, init_gpt(cfg, jax.random.key(2)), step=1) is not None

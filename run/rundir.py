@@ -78,6 +78,11 @@ def resumed(rundir: epath.Path, cfg: Config, launch: dict) -> dict:
             raise UsageError(f"{rundir} holds a run with {name}={saved[name]!r}, this launch has "
                              f"{name}={value!r}: resuming may change only "
                              f"{', '.join(configs.RESUMABLE)}")
+    import optimizers  # not at the top: launch.py reads this module before jax loads
+    ckpts = rundir / "checkpoints"
+    steps = [int(p.name) for p in ckpts.iterdir() if p.name.isdigit()] if ckpts.exists() else []
+    old = dataclasses.replace(cfg, **{n: saved[n] for n in configs.RESUMABLE})
+    optimizers.check_extension(old, cfg, max(steps, default=0))
     changed = [f"{n}={v!r} (was {saved[n]!r})" for n, v in new.items() if saved.get(n, v) != v]
     if changed:
         print(f"resuming with {', '.join(changed)}")

@@ -139,6 +139,20 @@ def test_lion_equals_optax_lion_times_each_lr_multiplier():
         np.testing.assert_allclose(u["v"], 0.5 * want["v"], rtol=1e-6)
 
 
+def test_lion_takes_adams_mup_learning_rates():
+    """Lion's first update is -lr * lr_mult * sign(g): at width multiplier 2, |update| / lr is
+    1/m = 0.5 on the hidden matrices, 1 on the embedding, readout and gains (TP5's Adam rules)."""
+    cfg = tiny(optimizer="lion", param="mup", d_base=32, d_model=64, n_head=4, norm_gain=True,
+               grad_clip=0.0, weight_decay=0.0, schedule="constant", warmup_steps=0,
+               learning_rate=0.01)
+    table, grads = table_and_grads(cfg)
+    got = updates_of(cfg, table, grads)[0]
+    hidden = {"blocks.attn.qkv", "blocks.attn.out", "blocks.mlp.up", "blocks.mlp.down"}
+    for name, u in got.items():
+        want = 0.5 if name in hidden else 1.0
+        np.testing.assert_allclose(np.abs(u) / 0.01, want, rtol=1e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
 def test_wsd_schedule_is_its_formula(shape):
     """Warmup (step + 1) / warmup * lr, lr until max_steps - round(f * max_steps), then down to

@@ -52,6 +52,9 @@ class Policy:
     spec: tuple  # PartitionSpec of one layer's array; stacked block arrays get None for L in front
     init_mean: float = 0.0
     eps_mult: float = 1.0  # multiplies Adam's epsilon
+    # Under optimizer=muon, Muon's view of one layer's array as a matrix: (row axes, column axes),
+    # the trailing ones (fan-in, fan-out); None: Adam (optimizers.py)
+    muon_view: tuple[int, int] | None = None
 
 
 def policy_rows(cfg: Config) -> dict[str, Policy]:
@@ -59,11 +62,21 @@ def policy_rows(cfg: Config) -> dict[str, Policy]:
     SP, where every multiplier is 1: at the base shape muP is SP. [TP5] Tensor Programs V Table 3;
     [mup] microsoft/mup; [nGm] EleutherAI nanoGPT-mup and its completep branch; [muT]
     mu_transformer (Lingle 2024); [CP] CompleteP (Dey et al. 2025), alpha = 1: no depth factor on
-    any LR. Weight decay is independent of lr and m (train.scale_by_policy). Adam's eps must stay
-    below the gradients (Everett et al. 2024), which carry the readout's 1/m and, inside blocks,
-    the branch scale 1/d: eps is scaled by the same [CP, nGm]. FSDP shards every matrix's D axis."""
+    any LR. Weight decay is independent of lr and m (optimizers.scale_by_policy). Adam's eps must
+    stay below the gradients (Everett et al. 2024), which carry the readout's 1/m and, inside
+    blocks, the branch scale 1/d: eps is scaled by the same [CP, nGm]. FSDP shards every matrix's
+    D axis. Lion's update is a sign, entrywise +-1: muP's rules for entrywise updates, Adam's and
+    SignSGD's alike (Tensor Programs IVb, Yang & Littwin 2023, arXiv 2308.01814), carry over; Lion
+    has no eps. Muon's update of a hidden R x C matrix, muon_rms * sqrt(max(R, C)) times an
+    orthogonal matrix, has spectral norm lr * lr_mult * muon_rms * sqrt(max(R, C)): lr_mult =
+    1/sqrt(m) keeps it constant in width, as the spectral condition asks (||dW|| ~ sqrt(fan_out /
+    fan_in), width-free for hidden matrices; Yang, Simon & Bernstein 2023, arXiv 2310.17813); at
+    m = 1 it is Moonshot's RMS matching (arXiv 2502.16982). Muon's update, like Adam's, ignores
+    the gradient's scale: no depth factor either [CP]."""
     D, F, m, d = cfg.d_model, cfg.mlp_width, cfg.width_mult, cfg.depth_mult
     hidden = dict(lr_mult=1 / m, decay=True, eps_mult=1 / (m * d))  # [TP5 hidden, mup, nGm, muT]
+    if cfg.optimizer == "muon":  # its hidden matrices take Muon: the spectral condition's rule
+        hidden["lr_mult"] = 1 / math.sqrt(m)
     gain = dict(lr_mult=1.0, decay=False, init_mean=1.0, eps_mult=1 / (m * d))  # vector-like [TP5]
     # Tied embeddings: std 1/sqrt(D/m) (1/sqrt(d_base) under muP: constant in width) starts the
     # logits at O(alpha_out) rather than O(alpha_out sqrt(d_base)) (BENCHMARKS.md)
@@ -74,11 +87,15 @@ def policy_rows(cfg: Config) -> dict[str, Policy]:
         # readout: zero init (loss starts at ln V) [TP5], forward x alpha_out / m [mup, nGm], LR lr
         # (vector-like: one dim grows). Tied, the shared array keeps emb.embed's row.
         "emb.unembed": Policy(0.0, 1.0, decay=True, spec=(None, "fsdp"), eps_mult=1 / m),
-        # hidden matrices: init std 1/sqrt(fan_in), LR lr / m
-        "blocks.attn.qkv": Policy(1 / math.sqrt(D), spec=("fsdp", None, None), **hidden),
-        "blocks.attn.out": Policy(1 / math.sqrt(D), spec=(None, None, "fsdp"), **hidden),
-        "blocks.mlp.up": Policy(1 / math.sqrt(D), spec=("fsdp", None), **hidden),
-        "blocks.mlp.down": Policy(1 / math.sqrt(F), spec=(None, "fsdp"), **hidden),
+        # hidden matrices: init std 1/sqrt(fan_in), LR lr / m (Muon's: lr / sqrt(m)); Muon's
+        # matrices are qkv's D x (N K), out's (H K) x D, up's D x F and down's F x D
+        "blocks.attn.qkv": Policy(1 / math.sqrt(D), spec=("fsdp", None, None), muon_view=(1, 2),
+                                  **hidden),
+        "blocks.attn.out": Policy(1 / math.sqrt(D), spec=(None, None, "fsdp"), muon_view=(2, 1),
+                                  **hidden),
+        "blocks.mlp.up": Policy(1 / math.sqrt(D), spec=("fsdp", None), muon_view=(1, 1), **hidden),
+        "blocks.mlp.down": Policy(1 / math.sqrt(F), spec=(None, "fsdp"), muon_view=(1, 1),
+                                  **hidden),
         # QK-LayerNorm gains: K entries at every width, LR lr, no decay [muT; Wortsman et al. 2023]
         "blocks.attn.q_norm": Policy(0.0, spec=(None,), **gain),
         "blocks.attn.k_norm": Policy(0.0, spec=(None,), **gain),

@@ -1,4 +1,5 @@
-"""The train step and the loop: mesh and FSDP shardings, AdamW, evaluation, logging.
+"""The train step and the loop: mesh and FSDP shardings, evaluation, logging; the optimizer is
+optimizers.py's.
 
 Shapes as in model.py, plus G microbatches per step.
 """
@@ -23,7 +24,8 @@ from configs import Config
 from inference import decode, tasks
 from kernels import fast_paths
 from model import GPT
-from params import Policy, flops_per_token, init_gpt, partition_specs, policy_table
+from optimizers import lr_schedule, make_optimizer
+from params import flops_per_token, init_gpt, partition_specs, policy_table
 from run.checkpoint import checkpoint_manager, one_line, resume, save_checkpoint
 from run.distributed import stop_signals
 from run.errors import RunError, UsageError
@@ -50,58 +52,6 @@ def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
                                                 process_is_granule=not slices,
                                                 allow_split_physical_axes=True)
     return jax.sharding.Mesh(grid, ("replica", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto))
-
-
-def lr_schedule(cfg: Config):
-    """Linear warmup to learning_rate in warmup_steps, then cosine decay to min_lr by max_steps."""
-    def lr(step):
-        step = jnp.asarray(step, jnp.float32)
-        warm = cfg.learning_rate * (step + 1) / max(cfg.warmup_steps, 1)
-        frac = jnp.clip((step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1), 0, 1)
-        cosine = cfg.min_lr + 0.5 * (cfg.learning_rate - cfg.min_lr) * (1 + jnp.cos(math.pi * frac))
-        return jnp.where(step < cfg.warmup_steps, warm, cosine)
-
-    return lr
-
-
-def scale_by_policy(cfg: Config, table) -> optax.GradientTransformation:
-    """The last link of the optimizer: -lr_t * lr_mult * update, and for decayed parameters the
-    independent decay -weight_decay * (lr_t / learning_rate) * p, whatever lr and lr_mult (muP's
-    1/m included). optax.adamw would multiply the decay by each parameter's LR multiplier too
-    (Wortsman et al. 2023 on independent decay)."""
-    schedule = lr_schedule(cfg)
-
-    def update(updates, state, params):
-        lr = schedule(state.count)
-        decay = cfg.weight_decay * lr / cfg.learning_rate
-
-        def one(u, p, policy: Policy):
-            return -lr * policy.lr_mult * u - (decay * p if policy.decay else 0.0)
-
-        updates = jax.tree.map(one, updates, params, table)
-        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
-
-    init = lambda _: optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
-    return optax.GradientTransformation(init, update)
-
-
-def scale_by_adam(cfg: Config, table) -> optax.GradientTransformation:
-    """optax.scale_by_adam (its state too) with eps = adam_eps * eps_mult per parameter
-    (CompleteP): Adam's m / (sqrt(v) + eps) of gradients divided by c is that of the gradients
-    with eps * c in place of eps."""
-    adam = optax.scale_by_adam(cfg.beta1, cfg.beta2, cfg.adam_eps)
-
-    def update(grads, state, params=None):
-        scaled = jax.tree.map(lambda g, policy: g / policy.eps_mult, grads, table)
-        return adam.update(scaled, state, params)
-
-    return optax.GradientTransformation(adam.init, update)
-
-
-def make_optimizer(cfg: Config, table) -> optax.GradientTransformation:
-    """Clip by global norm (grad_clip=0: no clipping), Adam, LR and decay."""
-    clip = optax.clip_by_global_norm(cfg.grad_clip) if cfg.grad_clip else optax.identity()
-    return optax.chain(clip, scale_by_adam(cfg, table), scale_by_policy(cfg, table))
 
 
 def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> tuple[jax.Array, ...]:
@@ -240,8 +190,10 @@ def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     optimizer = make_optimizer(cfg, table)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     replicated = lambda _: NamedSharding(mesh, P())
-    opt_sharding = optax.tree_map_params(optimizer, lambda _, s: s, opt_state, model_sharding,
-                                         transform_non_params=replicated)
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # optax.partition's (Muon's) placeholders
+    opt_sharding = optax.tree_map_params(optimizer, lambda x, s: x if masked(x) else s, opt_state,
+                                         model_sharding, transform_non_params=replicated,
+                                         is_leaf=masked)
     opt_state = eqx.filter_shard(opt_state, opt_sharding)
     static = eqx.filter(model, eqx.is_array, inverse=True)
     step = make_train_step(cfg, optimizer, static, mesh, model_sharding, opt_sharding)

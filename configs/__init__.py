@@ -68,7 +68,7 @@ class Config:
     # grows.
     attn_tau: float = 8.0
 
-    # optimisation: AdamW, linear warmup then cosine decay to min_lr at max_steps
+    # optimisation: by default AdamW, linear warmup then cosine decay to min_lr at max_steps
     batch_size: int = 512  # sequences per step, global (over all devices and microbatches)
     grad_accum: int = 1  # microbatches per step, accumulated in one jitted lax.scan
     max_steps: int = 20000
@@ -82,6 +82,23 @@ class Config:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # global gradient norm; 0: no clipping (nanoGPT's convention)
+    # The optimizer and schedule (optimizers.py, docs/optimizers.md). "adamw" above; "lion" (Chen
+    # et al. 2023) for every parameter; "muon" (Jordan 2024) for the hidden matrices, AdamW for
+    # the rest. Each's muP LR rules are the policy table's (params.policy_rows).
+    optimizer: Literal["adamw", "lion", "muon"] = "adamw"
+    lion_beta1: float = 0.9  # Lion's interpolation of momentum and gradient (Chen et al.'s)
+    lion_beta2: float = 0.99  # Lion's momentum decay (Chen et al.'s)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum (Jordan's)
+    muon_ns_steps: int = 5  # Newton-Schulz iterations (Jordan's)
+    # Muon's update RMS: 0.2 matches AdamW's, so learning_rate and weight_decay carry over
+    # (Liu et al. 2025, arXiv 2502.16982)
+    muon_rms: float = 0.2
+    # "cosine" above; "wsd": warmup, learning_rate, then a decay to min_lr over the last
+    # decay_fraction of max_steps, "linear" or "1-sqrt" (decay_shape): while in its stable phase
+    # a run may be extended by raising max_steps; "constant": learning_rate after warmup
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = 0.2
+    decay_shape: Literal["linear", "1-sqrt"] = "linear"
 
     # evaluation and logging
     eval_interval: int = 500  # steps between evaluations (and the last step)
@@ -169,7 +186,8 @@ class Config:
         positive = ("n_layer", "n_head", "d_model", "block_size", "batch_size", "grad_accum",
                     "max_steps", "eval_interval", "eval_batches", "log_interval", "vocab_size",
                     "vocab_multiple", "scan_unroll", "ckpt_interval", "ckpt_keep", "max_nonfinite",
-                    "d_base", "depth_base", "loss_chunks", "mesh_replica", "eval_tasks_interval")
+                    "d_base", "depth_base", "loss_chunks", "mesh_replica", "eval_tasks_interval",
+                    "muon_ns_steps")
         for name in positive:  # first: the checks below divide by some of them
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
@@ -208,6 +226,13 @@ class Config:
              f"adam_eps={self.adam_eps} must be > 0: Adam divides by sqrt(v) + eps"),
             (not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1),
              f"beta1={self.beta1} and beta2={self.beta2} must be in [0, 1)"),
+            (not (0 <= self.lion_beta1 < 1 and 0 <= self.lion_beta2 < 1
+                  and 0 <= self.muon_momentum < 1),
+             f"lion_beta1={self.lion_beta1}, lion_beta2={self.lion_beta2} and muon_momentum="
+             f"{self.muon_momentum} must be in [0, 1)"),
+            (not 0 < self.muon_rms < math.inf, f"muon_rms={self.muon_rms} must be > 0 and finite"),
+            (not 0 <= self.decay_fraction <= 1,
+             f"decay_fraction={self.decay_fraction} must be in [0, 1]"),
             (self.min_lr > self.learning_rate,
              f"min_lr={self.min_lr} is above learning_rate={self.learning_rate}: "
              f"the cosine decays to it"),
@@ -232,17 +257,33 @@ class Config:
         for bad, message in problems:
             if bad:
                 raise UsageError(message)
+        default = Config()
+        for name, (choice, users) in ONLY_FOR.items():  # else silently unused
+            if getattr(self, choice) not in users and getattr(self, name) != getattr(default, name):
+                raise UsageError(f"{name}={getattr(self, name)!r} does not apply to {choice}="
+                                 f"{getattr(self, choice)!r} (only to {' or '.join(users)}): "
+                                 f"leave it at {getattr(default, name)!r}")
+
+
+# The fields that only some optimizers or schedules read: field -> (what chooses, the users)
+ONLY_FOR = {"beta1": ("optimizer", ("adamw", "muon")), "beta2": ("optimizer", ("adamw", "muon")),
+            "adam_eps": ("optimizer", ("adamw", "muon")), "lion_beta1": ("optimizer", ("lion",)),
+            "lion_beta2": ("optimizer", ("lion",)), "muon_momentum": ("optimizer", ("muon",)),
+            "muon_ns_steps": ("optimizer", ("muon",)), "muon_rms": ("optimizer", ("muon",)),
+            "decay_fraction": ("schedule", ("wsd",)), "decay_shape": ("schedule", ("wsd",))}
 
 
 # The fields a resumed run may change (launch.py compares every other one with the run's
 # config.json): how long it goes on, what it logs and evaluates, how it checkpoints, where the data
 # lives and how the same step is laid out and computed (a run resumed on fewer devices may need
 # more microbatches to fit; grad_accum also sizes evaluation's batches). Anything else would make
-# the checkpoint another run's.
+# the checkpoint another run's. A WSD run's max_steps and decay may change only while it is in its
+# stable phase (optimizers.check_extension): there the old and new schedules agree on every step
+# taken.
 RESUMABLE = ("max_steps", "eval_interval", "eval_batches", "eval_tasks", "eval_tasks_interval",
              "wandb_project", "log_interval", "ckpt_interval", "ckpt_keep", "max_nonfinite",
              "mesh_replica", "remat", "scan_unroll", "grad_accum", "loss_chunks", "data_root",
-             "kernels")
+             "kernels", "decay_fraction", "decay_shape")
 
 
 def available() -> list[str]:

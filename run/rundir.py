@@ -181,6 +181,11 @@ def resumed(rundir: epath.Path, cfg: Config, launch: dict) -> dict:
     if differ:
         raise UsageError(f"{rundir} holds a run with {'; '.join(differ)}: resuming may change "
                          f"only {', '.join(configs.RESUMABLE)} (or pass --rundir alone)")
+    import optimizers  # not at the top: launch.py reads this module before jax loads
+    from run import checkpoint
+
+    old = dataclasses.replace(cfg, **{n: saved[n] for n in configs.RESUMABLE})
+    optimizers.check_extension(old, cfg, max(checkpoint.saved_steps(rundir), default=0))
     changed = [f"{n}={v!r} (was {saved[n]!r})" for n, v in new.items() if saved[n] != v]
     if changed:
         print(f"resuming with {', '.join(changed)}")

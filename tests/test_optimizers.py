@@ -1,0 +1,250 @@
+"""optimizers.py: Muon against an SVD-based numpy Newton-Schulz, its muP rule over width, Lion
+against optax's lion, the schedules against their formulas, WSD's extension on resume, the
+options that do not apply, and Muon under FSDP."""
+import dataclasses
+import json
+import math
+import os
+
+import equinox as eqx
+import jax
+import numpy as np
+import optax
+import pytest
+
+import optimizers
+import params
+import test_checkpoint as ckpt  # its launch helpers (a module attribute: its tests stay its own)
+from configs import Config
+from conftest import ROOT, run, tiny
+from model import GPT
+from params import Policy
+from run.errors import UsageError
+
+A, B, C = 3.4445, -4.7750, 2.0315  # Jordan's quintic, as his blog post prints them
+
+
+def ns_reference(g: np.ndarray, steps: int = 5) -> np.ndarray:
+    """Newton-Schulz from singular values, in float64: X = G / |G|_F = U S V^T, and each step
+    X <- a X + b X X^T X + c (X X^T)^2 X maps S to a S + b S^3 + c S^5, U and V kept."""
+    u, s, vt = np.linalg.svd(g / (np.linalg.norm(g) + 1e-7), full_matrices=False)
+    for _ in range(steps):
+        s = A * s + B * s**3 + C * s**5
+    return (u * s) @ vt
+
+
+def matrices(x: np.ndarray, name: str) -> np.ndarray:
+    """Each layer's matrix, as the task states Muon's views: qkv (D, N, K) as D x (N K), out
+    (H, K, D) as (H K) x D, up and down as stored."""
+    L = x.shape[0]
+    if name == "blocks.attn.out":
+        return x.reshape(L, x.shape[1] * x.shape[2], x.shape[3])
+    return x.reshape(L, x.shape[1], -1)
+
+
+def muon_cfg(**overrides) -> Config:
+    """Muon alone shapes the update: no clipping, no decay, a constant LR."""
+    base = dict(optimizer="muon", grad_clip=0.0, weight_decay=0.0, schedule="constant",
+                warmup_steps=0, learning_rate=0.1, min_lr=0.1, adam_eps=1.0)
+    return tiny(**{**base, **overrides})
+
+
+def table_and_grads(cfg: Config, seed: int = 0, steps: int = 1):
+    """The policy table of cfg's model, and `steps` random gradient trees shaped like it."""
+    skeleton = eqx.filter(eqx.filter_eval_shape(GPT, cfg), params.is_param)
+    rng = np.random.default_rng(seed)
+    grads = [jax.tree.map(lambda x: rng.normal(size=x.shape).astype(np.float32), skeleton)
+             for _ in range(steps)]
+    return params.policy_table(skeleton, cfg), grads
+
+
+def named(tree) -> dict[str, np.ndarray]:
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {params.param_name(path): np.asarray(x) for path, x in flat}
+
+
+def updates_of(cfg: Config, table, grads: list):
+    """The updates of each step, for the gradients given, on parameters left at zero."""
+    opt = optimizers.make_optimizer(cfg, table)
+    zeros = jax.tree.map(np.zeros_like, grads[0])
+    state, out = opt.init(zeros), []
+    for g in grads:
+        u, state = opt.update(g, state, zeros)
+        out.append(named(u))
+    return out
+
+
+def test_muon_is_newton_schulz_of_nesterov_momentum_per_layer_and_adam_elsewhere():
+    """Two steps: each hidden matrix's update is -lr * 0.2 sqrt(max(R, C)) times the SVD-based
+    Newton-Schulz of the Nesterov momentum (1 - b) g_t + b m_t, m_t = b m_{t-1} + (1 - b) g_t,
+    layer by layer in the views stated; the other parameters take Adam (first step:
+    g / (|g| + eps))."""
+    cfg = muon_cfg(muon_momentum=0.9)
+    table, grads = table_and_grads(cfg, steps=2)
+    got = updates_of(cfg, table, grads)
+    g1, g2 = named(grads[0]), named(grads[1])
+    b = 0.9
+    for name in ("blocks.attn.qkv", "blocks.attn.out", "blocks.mlp.up", "blocks.mlp.down"):
+        m1 = (1 - b) * g1[name].astype(np.float64)
+        m2 = b * m1 + (1 - b) * g2[name]
+        for step, nesterov in ((0, b * m1 + (1 - b) * g1[name]), (1, b * m2 + (1 - b) * g2[name])):
+            for layer, g_RC in enumerate(matrices(nesterov, name)):
+                want = -0.1 * 0.2 * math.sqrt(max(g_RC.shape)) * ns_reference(g_RC)
+                have = matrices(got[step][name], name)[layer]
+                np.testing.assert_allclose(have, want, atol=2e-4 * np.abs(want).max(),
+                                           err_msg=f"{name} layer {layer} step {step}")
+    for name in ("emb.embed", "emb.unembed"):
+        np.testing.assert_allclose(got[0][name], -0.1 * g1[name] / (np.abs(g1[name]) + 1.0),
+                                   rtol=1e-5, err_msg=name)
+
+
+def test_muon_update_spectral_norm_is_constant_over_width():
+    """muP for Muon (the spectral condition, Yang, Simon & Bernstein 2023): at width multipliers
+    1, 2, 4 the first update of each hidden matrix is lr / sqrt(m) * 0.2 sqrt(max(R, C)) times
+    Newton-Schulz's matrix (computed in numpy), so its spectral norm stays put while its RMS falls
+    as 1 / sqrt(m)."""
+    norms = {}
+    for m in (1, 2, 4):
+        cfg = muon_cfg(param="mup", d_base=32, d_model=32 * m, n_head=2 * m)
+        table, grads = table_and_grads(cfg, seed=m)
+        got, g = updates_of(cfg, table, grads)[0], named(grads[0])
+        for name in ("blocks.attn.qkv", "blocks.attn.out", "blocks.mlp.up", "blocks.mlp.down"):
+            g_RC, have = matrices(g[name], name)[0], matrices(got[name], name)[0]
+            want = -0.1 / math.sqrt(m) * 0.2 * math.sqrt(max(g_RC.shape)) * ns_reference(g_RC)
+            np.testing.assert_allclose(have, want, atol=2e-4 * np.abs(want).max(), err_msg=name)
+            norms[name, m] = np.linalg.norm(have, ord=2)
+            # an orthogonal R x C matrix's RMS is 1 / sqrt(max(R, C)); Newton-Schulz's is near
+            assert np.sqrt(np.mean(have**2)) == pytest.approx(0.02 / math.sqrt(m), rel=0.3)
+    for name, m in norms:
+        assert norms[name, m] / norms[name, 1] == pytest.approx(1, abs=0.15), (name, m, norms)
+
+
+def test_lion_equals_optax_lion_times_each_lr_multiplier():
+    """Three steps on a plain pytree: the update is optax.lion's (weight decay 0) times each
+    parameter's lr_mult; Lion's own betas, set away from their defaults, are the ones used."""
+    cfg = tiny(optimizer="lion", lion_beta1=0.8, lion_beta2=0.9, grad_clip=0.0,
+               weight_decay=0.0, schedule="constant", warmup_steps=0, learning_rate=0.01)
+    table = {"w": Policy(1.0, 1.0, decay=False, spec=()), "v": Policy(1.0, 0.5, False, spec=())}
+    rng = np.random.default_rng(0)
+    zeros = {"w": np.zeros((3, 4), np.float32), "v": np.zeros(5, np.float32)}
+    grads = [jax.tree.map(lambda z: rng.normal(size=z.shape).astype(np.float32), zeros)
+             for _ in range(3)]
+    ours = optimizers.make_optimizer(cfg, table)
+    ref = optax.lion(cfg.learning_rate, b1=0.8, b2=0.9, weight_decay=0.0)
+    s, r = ours.init(zeros), ref.init(zeros)
+    for g in grads:
+        u, s = ours.update(g, s, zeros)
+        want, r = ref.update(g, r, zeros)
+        np.testing.assert_allclose(u["w"], want["w"], rtol=1e-6)
+        np.testing.assert_allclose(u["v"], 0.5 * want["v"], rtol=1e-6)
+
+
+def test_lion_takes_adams_mup_learning_rates():
+    """Lion's first update is -lr * lr_mult * sign(g): at width multiplier 2, |update| / lr is
+    1/m = 0.5 on the hidden matrices, 1 on the embedding, readout and gains (TP5's Adam rules)."""
+    cfg = tiny(optimizer="lion", param="mup", d_base=32, d_model=64, n_head=4, norm_gain=True,
+               grad_clip=0.0, weight_decay=0.0, schedule="constant", warmup_steps=0,
+               learning_rate=0.01)
+    table, grads = table_and_grads(cfg)
+    got = updates_of(cfg, table, grads)[0]
+    hidden = {"blocks.attn.qkv", "blocks.attn.out", "blocks.mlp.up", "blocks.mlp.down"}
+    for name, u in got.items():
+        want = 0.5 if name in hidden else 1.0
+        np.testing.assert_allclose(np.abs(u) / 0.01, want, rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("shape", ["linear", "1-sqrt"])
+def test_wsd_schedule_is_its_formula(shape):
+    """Warmup (step + 1) / warmup * lr, lr until max_steps - round(f * max_steps), then down to
+    min_lr at max_steps: linearly, or as 1 - sqrt of the fraction of the decay done."""
+    lr, low, warmup, total, f = 1.0, 0.1, 3, 20, 0.3
+    cfg = tiny(schedule="wsd", decay_fraction=f, decay_shape=shape, learning_rate=lr,
+               min_lr=low, warmup_steps=warmup, max_steps=total)
+    start = 14  # 20 - round(6.0)
+    for step in range(total + 3):
+        if step < warmup:
+            want = lr * (step + 1) / warmup
+        elif step < start:
+            want = lr
+        else:
+            done = min((step - start) / (total - start), 1.0)
+            want = lr - (lr - low) * (done if shape == "linear" else math.sqrt(done))
+        assert float(optimizers.lr_schedule(cfg)(step)) == pytest.approx(want, rel=1e-6), step
+    constant = tiny(schedule="constant", learning_rate=lr, warmup_steps=warmup, max_steps=total)
+    assert [float(optimizers.lr_schedule(constant)(s)) for s in (2, 3, 19, 40)] == [1, 1, 1, 1]
+
+
+def test_an_option_of_another_optimizer_or_schedule_is_refused_in_one_line():
+    tiny(optimizer="muon", muon_ns_steps=3).check(1)  # its own options are fine
+    cases = [(dict(optimizer="lion", adam_eps=1e-6), "adam_eps=1e-06 does not apply to "
+              "optimizer='lion' (only to adamw or muon): leave it at 1e-08"),
+             (dict(muon_momentum=0.9), "muon_momentum=0.9 does not apply to optimizer='adamw'"),
+             (dict(decay_fraction=0.5), "decay_fraction=0.5 does not apply to schedule='cosine'")]
+    for overrides, message in cases:
+        with pytest.raises(UsageError) as e:
+            tiny(**overrides).check(1)
+        assert str(e.value).startswith(message)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+    """As test_checkpoint's: one compilation cache shared by the launches."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+WSD = ["--config.schedule=wsd", "--config.min_lr=2e-4"]
+
+
+def test_wsd_run_extended_in_its_stable_phase_resumes_bitwise(shakespeare, tmp_path, env):
+    """8 steps all stable (decay_fraction 0), then resumed to 16 with the last half decaying:
+    the logs and final state of a straight 16-step run of the second config, bitwise. Extending
+    it again once its decay has begun is refused in one line, and nothing is written."""
+    straight, rundir = tmp_path / "straight", tmp_path / "run"
+    longer = (*WSD, "--config.max_steps=16", "--config.decay_fraction=0.5")
+    r = ckpt.run(ckpt.launch_args(straight, *longer), env)
+    assert r.returncode == 0, r.stderr
+    r = ckpt.run(ckpt.launch_args(rundir, *WSD, "--config.max_steps=8",
+                                  "--config.decay_fraction=0"), env)
+    assert r.returncode == 0, r.stderr
+    r = ckpt.run(ckpt.launch_args(rundir, *longer), env)
+    assert r.returncode == 0, r.stderr
+    assert "resuming from the checkpoint of step 8" in r.stdout
+    assert ckpt.records(rundir) == ckpt.records(straight)
+    cfg = ckpt.tiny_config(*longer)
+    for a, b in zip(ckpt.final_state(rundir, cfg), ckpt.final_state(straight, cfg), strict=True):
+        np.testing.assert_array_equal(a, b)
+    before = (rundir / "config.json").read_text()
+    r = ckpt.run(ckpt.launch_args(rundir, *longer[:-2], "--config.max_steps=24",
+                                  "--config.decay_fraction=0.5"), env)
+    ckpt.assert_one_line_error(r, "the checkpoint is at step 16, past the start of the WSD decay "
+                                  "(step 8): max_steps=24 (was 16) would change the LR of steps")
+    assert (rundir / "config.json").read_text() == before
+
+
+def test_resume_with_another_optimizer_is_one_line(shakespeare, tmp_path, env):
+    """Its state has another structure: the config's comparison refuses it before anything."""
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(ckpt.tiny_config())))
+    r = ckpt.run(ckpt.launch_args(rundir, "--config.optimizer=muon"), env)
+    ckpt.assert_one_line_error(r, f"{rundir} holds a run with optimizer='adamw', this launch has "
+                                  f"optimizer='muon': resuming may change only max_steps")
+    assert sorted(p.name for p in rundir.iterdir()) == ["config.json"]
+
+
+def test_muon_on_4_fsdp_devices_equals_one_device(tmp_path):
+    """fsdp_probe.py's step with Muon: parameters, momentum and the orthogonalised matrices split
+    4 ways over fsdp (XLA gathers what Newton-Schulz's matmuls need); the loss, gradients and
+    updated parameters equal one device's."""
+    out = {}
+    for n in (1, 4):
+        out[n] = tmp_path / f"d{n}.npz"
+        r = run([str(ROOT / "tests/fsdp_probe.py"), str(n), str(out[n]), "1", "optimizer=muon"])
+        assert r.returncode == 0, r.stderr
+    one, four = np.load(out[1]), np.load(out[4])
+    assert set(one.files) == set(four.files)
+    for name in one.files:
+        np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)

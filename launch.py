@@ -7,6 +7,7 @@ command), dataset.json, metrics.jsonl, tensorboard events, checkpoints/ and chec
 existing one resumes, as its config.json says unless --config is given.
 """
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -22,8 +23,11 @@ MULTIHOST = ("coordinator_address", "num_processes", "process_id")  # jax.distri
 
 
 def parse_args(argv: list[str]):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 epilog="On TPU VMs and under SLURM, --multihost alone will do.")
+    fields = ", ".join(configs.Config.__dataclass_fields__)
+    epilog = (f"Config fields, each --config.FIELD=VALUE (their defaults and meaning: "
+              f"configs/__init__.py): {fields}.\n\nOn TPU VMs and under SLURM, --multihost alone "
+              f"will do.")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=epilog)
     ap.add_argument("--config", help=f"one of: {', '.join(configs.available())} (to resume a "
                                      f"--rundir: its own)")
     ap.add_argument("--rundir", help="default runs/NAME-TIMESTAMP; an existing one is resumed")
@@ -48,6 +52,7 @@ def main(argv: list[str] | None = None) -> None:
             args.config, cfg = resume_config(args.rundir, overrides)
         else:
             cfg = apply_overrides(configs.load(args.config), overrides)
+            cfg = vocabulary_of_the_data(cfg, overrides)
         given = [f for f in MULTIHOST if getattr(args, f) is not None]
         if given and not args.multihost:  # else each host would train alone, in one run directory
             raise UsageError(f"--{given[0]} is for multi-host runs: add --multihost")
@@ -74,14 +79,38 @@ def main(argv: list[str] | None = None) -> None:
             # Process 0 checks and writes the run directory; the others only train in it.
             rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart)
                             if jax.process_index() == 0 else (epath.Path(args.rundir), None))
+            if jax.default_backend() == "cpu" and cfg.compute_dtype == "bfloat16":
+                print(f"note: {args.config} computes in bfloat16, for GPUs and TPUs: on a CPU it "
+                      "is slow (the CPU recipe: --config=shakespeare_char_cpu, float32)")
             try:
-                train.train(cfg, rundir, debug=args.debug)
+                done = train.train(cfg, rundir, debug=args.debug)
+                if done is not None and jax.process_index() == 0:
+                    print(f"done: the checkpoints are in {rundir / 'checkpoints'}; read the run "
+                          f"with python sample.py --rundir={rundir}")
             except checkpoint.NothingToResume:  # a refused launch leaves the run as it was
                 if undo:
                     undo()
                 raise
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
+
+
+def vocabulary_of_the_data(cfg: configs.Config, overrides: list[str]) -> configs.Config:
+    """A new run's vocab_size from its dataset's meta.json, where the config's is too small for
+    the data and the command line did not set it: said in one line."""
+    import data  # numpy only
+
+    if any(arg.startswith("--config.vocab_size=") for arg in overrides):
+        return cfg
+    try:
+        vocab = int(data.read_meta(cfg)["vocab_size"])
+    except (UsageError, KeyError, TypeError, ValueError):
+        return cfg  # no dataset yet, or a bad meta.json: data.py's checks say which
+    if vocab <= cfg.vocab_size:
+        return cfg
+    print(f"note: vocab_size={vocab}, from {cfg.dataset}'s meta.json (the config has "
+          f"{cfg.vocab_size})")
+    return dataclasses.replace(cfg, vocab_size=vocab)
 
 
 def interrupted(signum: int, _) -> None:

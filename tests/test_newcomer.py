@@ -22,3 +22,37 @@ def test_an_unreachable_hub_is_one_line_at_once(tmp_path):
                            "(127.0.0.1:9) cannot be reached"), line
     assert "--source=PATH" in line and time.monotonic() - t0 < 30
     assert not (ROOT / "data" / "newcomer_hub").exists()
+
+
+def test_launch_help_lists_the_config_fields():
+    r = run(["launch.py", "--help"])
+    assert r.returncode == 0 and "each --config.FIELD=VALUE" in r.stdout
+    import configs
+    assert all(name in r.stdout.replace("\n", " ") for name in configs.Config.__dataclass_fields__)
+
+
+def test_a_vocabulary_too_small_for_the_data_is_taken_from_meta_json(shakespeare, capsys):
+    """shakespeare_char has 65 ids: a config of 10 gets 65 with a note, unless the command line
+    set it (then data.py's check names the field, as before)."""
+    import dataclasses
+
+    import launch
+    from conftest import tiny
+
+    small = dataclasses.replace(tiny(), vocab_size=10)
+    assert launch.vocabulary_of_the_data(small, []).vocab_size == 65
+    assert "note: vocab_size=65, from shakespeare_char's meta.json" in capsys.readouterr().out
+    assert launch.vocabulary_of_the_data(small, ["--config.vocab_size=10"]).vocab_size == 10
+    assert launch.vocabulary_of_the_data(tiny(vocab_size=100), []).vocab_size == 100
+
+
+def test_the_end_of_a_run_says_where_it_is_and_a_gpu_recipe_on_a_cpu_says_so(shakespeare, tmp_path):
+    from conftest import TINY_RUN
+
+    rundir = tmp_path / "run"
+    r = run(["launch.py", *TINY_RUN, "--config.compute_dtype=bfloat16", "--config.max_steps=2",
+             "--config.eval_interval=2", "--config.eval_batches=1", f"--rundir={rundir}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "computes in bfloat16, for GPUs and TPUs: on a CPU it is slow" in r.stdout
+    assert (f"done: the checkpoints are in {rundir / 'checkpoints'}; read the run with "
+            f"python sample.py --rundir={rundir}") in r.stdout

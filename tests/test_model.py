@@ -133,7 +133,7 @@ def test_rope_depends_on_relative_position_only():
     scores = lambda q, k: jnp.einsum("thk,shk->hts", q, k)
     np.testing.assert_allclose(scores(q0, k0), scores(q1, k1), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(attn((x,), at)[0], attn((x,), far)[0], rtol=1e-4, atol=1e-4)
-    assert not np.allclose(q0, q1, atol=1e-2)  # absolute positions do change q: the rotation is there
+    assert not np.allclose(q0, q1, atol=1e-2)  # absolute positions change q: the rotation is there
 
 
 def test_loss_at_init_is_log_vocab():
@@ -146,10 +146,10 @@ def test_loss_at_init_is_log_vocab():
 
 @pytest.mark.parametrize("loss_chunks", [1, 2])
 def test_loss_of_a_random_model_is_numpys_cross_entropy(loss_chunks):
-    """Every parameter random (the readout too): train.loss_fn is the mean over the batch of
-    -log softmax(numpy_forward's logits)[target], padded vocabulary included."""
+    """Every parameter random (the readout too, and its multiplier 1.5): train.loss_fn is the mean
+    over the batch of -log softmax(numpy_forward's logits)[target], padded vocabulary included."""
     import train
-    cfg = tiny(n_layer=2, d_model=16, n_head=2, loss_chunks=loss_chunks)
+    cfg = tiny(n_layer=2, d_model=16, n_head=2, loss_chunks=loss_chunks, alpha_out=1.5)
     gpt = random_gpt(cfg)
     rng = np.random.default_rng(5)
     x, y = (rng.integers(0, cfg.vocab_size, (2, 12)) for _ in range(2))
@@ -193,7 +193,8 @@ def test_policy_table_covers_every_parameter(variant):
     cfg = tiny(param="mup", d_model=64, d_base=32, n_layer=4, depth_base=2, n_head=4, **variant)
     gpt = params.init_gpt(cfg, jax.random.key(0))
     table = params.policy_table(gpt, cfg)
-    rows = jax.tree_util.tree_flatten_with_path(table, is_leaf=lambda x: isinstance(x, params.Policy))[0]
+    is_row = lambda x: isinstance(x, params.Policy)
+    rows = jax.tree_util.tree_flatten_with_path(table, is_leaf=is_row)[0]
     assert len(rows) == len(jax.tree.leaves(eqx.filter(gpt, eqx.is_array)))
     want = expected_policy(cfg)
     for path, p in rows:

@@ -197,10 +197,9 @@ def bpe(shakespeare, tmp_path_factory):
 def scored_by_hand(model, cfg, encode, V: int, paths=BPE_TASKS.values()) -> tuple[dict, dict]:
     """Each task's metrics from test_model.numpy_forward's log-probabilities, one unpadded
     sequence at a time: a continuation's tokens are those of encode(context + continuation)
-    after encode(context)'s, of which the last block_size + 1 are kept (lm-eval's rule); acc_norm divides by the continuation's
-    characters; also the acc_norm that divides by its tokens instead, which must differ."""
-    import json as json_
-
+    after encode(context)'s, the sequence cut to its last block_size + 1 tokens (lm-eval's
+    rule); acc_norm divides by the continuation's characters. Also returned: the acc_norm that
+    divides by its tokens instead, which the tests need to differ."""
     from test_model import numpy_forward
 
     def loglik(context, continuation):  # (sum of log p, all greedy, tokens)
@@ -218,11 +217,11 @@ def scored_by_hand(model, cfg, encode, V: int, paths=BPE_TASKS.values()) -> tupl
 
     metrics_, per_token = {}, {}
     for path in paths:
-        examples = [json_.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        examples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         name = path.stem
-        if "text" in examples[0]:
-            scored = [loglik(*ex["text"].rsplit(" ", 1)[0:1], " " + ex["text"].rsplit(" ", 1)[1])
-                      for ex in examples]
+        if "text" in examples[0]:  # the last word, with its space
+            words = [ex["text"].rsplit(" ", 1) for ex in examples]
+            scored = [loglik(context, " " + word) for context, word in words]
             metrics_[f"{name}/acc"] = float(np.mean([g for _, g, _ in scored]))
             metrics_[f"{name}/ppl"] = float(np.exp(-np.mean([ll for ll, _, _ in scored])))
             continue

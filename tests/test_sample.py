@@ -35,10 +35,11 @@ def trained(shakespeare):
 
 
 def greedy_by_recomputation(model, prompt: list[int], n: int, S: int) -> tuple[list[int], list]:
-    """The reference: each token the argmax of the full forward pass over its context, recomputed from
-    scratch, the context being the tokens since the window last slid (by S - S // 2 once it held S + 1).
-    The context is padded to S tokens, so the forward pass compiles once; being causal, the model's
-    logits at the last real token do not see the padding. Returns the tokens and each one's logits."""
+    """The reference: each token the argmax of the full forward pass over its context, recomputed
+    from scratch, the context being the tokens since the window last slid (by S - S // 2 once it
+    held S + 1). The context is padded to S tokens, so the forward pass compiles once; being
+    causal, the model's logits at the last real token do not see the padding. Returns the tokens
+    and the logits each was picked from."""
     forward = jax.jit(model.__call__)
     tokens, first, logits = list(prompt), 0, []
     for _ in range(n):
@@ -108,7 +109,7 @@ def test_alibi_decodes_past_block_size_as_its_full_forward():
     cfg = tiny(block_size=8, position="alibi", n_head=4)
     model, S = random_gpt(cfg), 3 * cfg.block_size
     prompt = [18, 47, 56, 57, 58]
-    want = greedy_by_recomputation(model, prompt, 40, S)
+    want, _ = greedy_by_recomputation(model, prompt, 40, S)
     got = decode.generate(model, decode.prompt_window(prompt, S), jax.random.key(0),
                           jnp.float32(0.0), num_samples=1, max_new_tokens=40, n_vocab=N_VOCAB)
     assert np.asarray(got)[0].tolist() == want

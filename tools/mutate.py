@@ -78,9 +78,9 @@ MUTATIONS = {
         "model.py", [("return tap(\"logits\", self.readout_mult * logits_TV)",
                       "return tap(\"logits\", logits_TV)")],
         ["tests/test_model.py::test_loss_of_a_random_model_is_numpys_cross_entropy"]),
-    "MLP's GELU replaced by ReLU (autodiff agrees with itself)": (
-        "model.py", [("h_TF = tap(\"mlp_hidden\", (self.fast_gelu or gelu)(h_TF))",
-                      "h_TF = tap(\"mlp_hidden\", jax.nn.relu(h_TF))")],
+    "attention logits scaled by half (autodiff agrees with itself)": (
+        "model.py", [("self.scale, self.kv_heads, self.alibi = cfg.attn_scale, G",
+                      "self.scale, self.kv_heads, self.alibi = cfg.attn_scale / 2, G")],
         ["tests/test_model.py::test_the_model_is_differentiable_on_one_unbatched_sequence"]),
 }
 

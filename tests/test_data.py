@@ -11,7 +11,7 @@ import pytest
 import data
 from run import reading
 from run.errors import UsageError
-from conftest import run, tiny
+from conftest import ROOT, run, tiny
 
 
 def test_shakespeare_char_counts(shakespeare):
@@ -41,6 +41,51 @@ def test_batch_is_a_function_of_seed_and_step(shakespeare):
     assert not np.array_equal(a[0], data.get_batch(tokens, 0, data.EVAL_TRAIN, 7, 8, 32)[0])
     rows = data.get_batch(tokens, 0, data.TRAIN, 7, 8, 32, rows=slice(4, 8))  # one process's share
     np.testing.assert_array_equal(rows[0], a[0][4:])
+
+
+def documented_batch(seed: int, stream: int, step: int, G: int, B: int, T: int, N: int):
+    """get_batch's docstring written out for tokens 0, 1, ..., N-1 (a token is its offset): step's
+    G * B sequences start at offsets drawn uniformly from [0, N - T - 1) by numpy's PCG64 seeded
+    with the SeedSequence of (seed, stream, step), microbatch g's row b the (g B + b)-th draw;
+    the targets are the next tokens. (G, B, T) each."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, stream, step])))
+    starts = rng.integers(0, N - T - 1, size=G * B).reshape(G, B)
+    x = starts[..., None] + np.arange(T)
+    return x, x + 1
+
+
+def test_the_batch_of_each_step_is_the_documented_one():
+    """data.global_batch for steps 0..4 (two microbatches, one process, its one device) against
+    the formula; two processes: the next test."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    import train
+
+    N, G, B, T = 5000, 2, 8, 16
+    tokens = np.arange(N, dtype=np.uint16)
+    sharding = NamedSharding(train.make_mesh(tiny()), train.BATCH_SPEC)
+    for step in range(5):
+        got = data.global_batch(tokens, 3, data.TRAIN, step, sharding, (G, B, T))
+        for a, want in zip(jax.device_get(got), documented_batch(3, data.TRAIN, step, G, B, T, N)):
+            np.testing.assert_array_equal(a, want)
+    # another stream draws other offsets (the evaluations' fixed sets are not training batches)
+    x, _ = data.global_batch(tokens, 3, data.EVAL_VAL, 0, sharding, (G, B, T))
+    assert not np.array_equal(jax.device_get(x), documented_batch(3, data.TRAIN, 0, G, B, T, N)[0])
+
+
+def test_two_processes_read_the_documented_batches():
+    """Two processes x 2 devices (jax.distributed on 127.0.0.1): each one's shards of steps
+    0..4, on a 1 x 4 and a 2 x 2 mesh, are the formula's rows (tests/batch_probe.py asserts)."""
+    import os
+
+    from test_multihost import free_port, together
+
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+    probe, port = str(ROOT / "tests/batch_probe.py"), free_port()
+    results = together([([probe, f"127.0.0.1:{port}", str(i)], 2) for i in range(2)], env, 120)
+    for i, r in enumerate(results):
+        assert r.returncode == 0 and f"process {i}: ok" in r.stdout, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("source", ["folder", "absolute glob"])

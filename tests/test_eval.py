@@ -46,7 +46,7 @@ def with_eval_py(model, tasks) -> dict:
     return tasks(model, one, 8)
 
 
-def with_lm_eval(hf_dir, monkeypatch, model=None) -> tuple[dict, dict]:
+def with_lm_eval(hf_dir, monkeypatch, model=None, tasks=TASKS) -> tuple[dict, dict]:
     """lm-eval's metrics (named as eval.py names them) and its per-request log-likelihoods, of
     the exported directory, or of `model` (a torch model) with its tokenizer."""
     from lm_eval.models.huggingface import HFLM
@@ -61,10 +61,10 @@ def with_lm_eval(hf_dir, monkeypatch, model=None) -> tuple[dict, dict]:
     else:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4, device="cpu")
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(TASKS), log_samples=True,
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), log_samples=True,
                                   task_manager=TaskManager(include_path=str(ROOT / "tests/tasks")))
     metrics, lls = {}, {}
-    for task, path in TASKS.items():
+    for task, path in tasks.items():
         name = path.stem
         for key, value in out["results"][task].items():
             metric, _, _ = key.partition(",")
@@ -112,6 +112,7 @@ def test_a_uniform_model_scores_as_computed_by_hand(exported, monkeypatch):
 
 
 def test_one_and_four_devices_give_the_same_numbers(exported):
+    """eval.py on 4 devices (the batch split 4 ways) against 1, and against the hand computation."""
     model, _, tasks, rundir = exported
     ours = with_eval_py(model, tasks)
     r = run(["eval.py", f"--rundir={rundir}", f"--tasks={','.join(map(str, TASKS.values()))}",
@@ -122,6 +123,13 @@ def test_one_and_four_devices_give_the_same_numbers(exported):
     assert four.keys() == ours.keys()
     for key in ours:
         assert four[key] == pytest.approx(ours[key], rel=1e-6), key
+    # and both against the metrics computed by hand (numpy forward, one sequence at a time)
+    cfg = reading.read_config(rundir)
+    encode = reading.tokenizer(reading.read_dataset_record(rundir, cfg))[0]
+    by_hand, _ = scored_by_hand(model, cfg, encode, 65, TASKS.values())
+    assert by_hand.keys() == four.keys()
+    for key, value in by_hand.items():
+        assert four[key] == pytest.approx(value, rel=1e-4), key
 
 
 def test_bad_task_is_one_line(exported, tmp_path):
@@ -147,3 +155,103 @@ def test_tasks_in_the_loop_log_eval_py_numbers_to_tensorboard(exported):
         events = acc.Tensors(f"eval/{key}")
         assert [e.step for e in events] == [0, 60], key
         assert float(events[-1].tensor_proto.float_val[0]) == pytest.approx(value, rel=1e-5), key
+
+
+# ---------------------------------------------------------------------------------------------
+# A tokenizer whose tokens span several characters: acc_norm's divisor (characters, not tokens)
+# and the context/continuation split are exercised, as the character-level tokenizer above cannot.
+BPE_TASKS = {"mugpt_mc6": ROOT / "tests/tasks/mc6.jsonl", **TASKS}
+
+
+@pytest.fixture(scope="module")
+def bpe(shakespeare, tmp_path_factory):
+    """A byte-level BPE of 400 tokens (GPT-2's pre-tokenizer) trained on tiny-shakespeare's first
+    200k characters, a random GPT of that vocabulary (every parameter random: no zero readout),
+    its export, and eval.py's tasks tokenized by it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from conftest import tiny
+    from test_model import random_gpt
+    from text import tokenization
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([(shakespeare / "input.txt").read_text()[:200_000]], trainer)
+    record = {"kind": "hf", "name": "test-bpe", "eos": tok.token_to_id("<|endoftext|>"),
+              "json": tok.to_str()}
+    meta = {"vocab_size": tok.get_vocab_size(), "tokenizer": record}
+    cfg = tiny(vocab_size=meta["vocab_size"], block_size=32, d_model=32, n_head=2)
+    model = random_gpt(cfg)
+    hf_dir = tmp_path_factory.mktemp("bpe") / "hf"
+    export.write(model, cfg, meta, hf_dir)
+    encode = tokenization.load(record)[0]
+    tasks = downstream.Tasks([str(p) for p in BPE_TASKS.values()], encode, meta["vocab_size"],
+                             cfg.block_size)
+    return model, cfg, encode, meta["vocab_size"], tasks, hf_dir
+
+
+def scored_by_hand(model, cfg, encode, V: int, paths=BPE_TASKS.values()) -> tuple[dict, dict]:
+    """Each task's metrics from test_model.numpy_forward's log-probabilities, one unpadded
+    sequence at a time: a continuation's tokens are those of encode(context + continuation)
+    after encode(context)'s, the sequence cut to its last block_size + 1 tokens (lm-eval's
+    rule); acc_norm divides by the continuation's characters. Also returned: the acc_norm that
+    divides by its tokens instead, which the tests need to differ."""
+    from test_model import numpy_forward
+
+    def loglik(context, continuation):  # (sum of log p, all greedy, tokens)
+        assert context == context.rstrip()  # no trailing space to move
+        whole = encode(context + continuation)
+        n_cont = len(whole) - len(encode(context))
+        whole = whole[-(cfg.block_size + 1):]  # the context's start is cut to fit the model
+        logits = numpy_forward(model, cfg, np.array(whole[:-1]))[:, :V]
+        logp = logits - logits.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        rows = np.arange(len(whole) - 1 - n_cont, len(whole) - 1)
+        targets = np.array(whole[-n_cont:])
+        greedy = bool(np.all(logits[rows].argmax(-1) == targets))
+        return logp[rows, targets].sum(), greedy, len(targets)
+
+    metrics_, per_token = {}, {}
+    for path in paths:
+        examples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        name = path.stem
+        if "text" in examples[0]:  # the last word, with its space
+            words = [ex["text"].rsplit(" ", 1) for ex in examples]
+            scored = [loglik(context, " " + word) for context, word in words]
+            metrics_[f"{name}/acc"] = float(np.mean([g for _, g, _ in scored]))
+            metrics_[f"{name}/ppl"] = float(np.exp(-np.mean([ll for ll, _, _ in scored])))
+            continue
+        acc, norm, norm_tok = [], [], []
+        for ex in examples:
+            scored = [loglik(ex["context"], c) for c in ex["choices"]]
+            ll = np.array([s[0] for s in scored])
+            acc.append(ll.argmax() == ex["label"])
+            norm.append((ll / [len(c) for c in ex["choices"]]).argmax() == ex["label"])
+            norm_tok.append((ll / [s[2] for s in scored]).argmax() == ex["label"])
+            assert max(s[2] for s in scored) > 1  # tokens of several characters
+        metrics_ |= {f"{name}/acc": float(np.mean(acc)), f"{name}/acc_norm": float(np.mean(norm))}
+        per_token[f"{name}/acc_norm"] = float(np.mean(norm_tok))
+    return metrics_, per_token
+
+
+def test_bpe_metrics_as_computed_by_hand_and_by_lm_eval(bpe, monkeypatch):
+    """eval.py's acc, acc_norm and ppl with a BPE tokenizer against the numpy computation, and
+    against lm-eval scoring the export with the exported tokenizer. mc6's acc_norm per character
+    (1.0 on this model: its right answers are common words) differs from per token (0.0)."""
+    model, cfg, encode, V, tasks, hf_dir = bpe
+    ours = with_eval_py(model, tasks)
+    by_hand, per_token = scored_by_hand(model, cfg, encode, V)
+    assert set(ours) == set(by_hand)
+    for key, value in by_hand.items():
+        assert ours[key] == pytest.approx(value, rel=1e-4), key
+    assert per_token["mc6/acc_norm"] != by_hand["mc6/acc_norm"]
+    theirs, _ = with_lm_eval(hf_dir, monkeypatch, tasks=BPE_TASKS)
+    assert set(theirs) == set(ours)
+    for key in ours:
+        assert theirs[key] == pytest.approx(ours[key], rel=1e-4), key
+    print(json.dumps({"eval.py": ours, "by hand": by_hand, "per token": per_token,
+                      "lm_eval": theirs}))

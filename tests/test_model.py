@@ -113,19 +113,27 @@ def test_causal():
 
 
 def test_rope_depends_on_relative_position_only():
-    cfg = tiny(d_model=32, n_head=2)
-    attn = jax.tree.map(lambda a: a[0], random_gpt(cfg).blocks.attn)
+    """Through the model's own tables (GPT.positions, cfg.rope_base, here not the default): they
+    are cos and sin of pos * base^(-2i/K) written out, and attention scores and outputs do not
+    move when every position shifts by 1000."""
+    cfg = tiny(d_model=32, n_head=2, rope_base=500.0)
+    gpt = random_gpt(cfg)
+    attn = jax.tree.map(lambda a: a[0], gpt.blocks.attn)
+    K = cfg.head_dim
+    pos = jnp.arange(16)
+    angle = np.arange(16)[:, None] * 500.0 ** (-2 * np.arange(K // 2) / K)
+    at = gpt.positions(pos)
+    np.testing.assert_allclose(at.q_rope[0], np.cos(angle), atol=1e-6)
+    np.testing.assert_allclose(at.k_rope[1], np.sin(angle), atol=1e-6)
     x = jax.random.normal(jax.random.key(3), (16, cfg.d_model))
     q, k, _ = attn.project((x,))
-    table = lambda pos: M.rope_table(pos, 16, 1e4)
-    pos = jnp.arange(16)
-    q0, k0 = M.qk_norm_rope(q, k, attn.q_norm, attn.k_norm, table(pos), table(pos))
-    q1, k1 = M.qk_norm_rope(q, k, attn.q_norm, attn.k_norm, table(pos + 1000), table(pos + 1000))
+    far = gpt.positions(pos + 1000)
+    q0, k0 = M.qk_norm_rope(q, k, attn.q_norm, attn.k_norm, at.q_rope, at.k_rope)
+    q1, k1 = M.qk_norm_rope(q, k, attn.q_norm, attn.k_norm, far.q_rope, far.k_rope)
     scores = lambda q, k: jnp.einsum("thk,shk->hts", q, k)
     np.testing.assert_allclose(scores(q0, k0), scores(q1, k1), rtol=1e-4, atol=1e-4)
-    at = lambda pos: M.Positions(pos, pos, table(pos), table(pos), None)
-    np.testing.assert_allclose(attn((x,), at(pos))[0], attn((x,), at(pos + 1000))[0], rtol=1e-4, atol=1e-4)
-    assert not np.allclose(q0, q1, atol=1e-2)  # absolute positions do change q: the rotation is there
+    np.testing.assert_allclose(attn((x,), at)[0], attn((x,), far)[0], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(q0, q1, atol=1e-2)  # absolute positions change q: the rotation is there
 
 
 def test_loss_at_init_is_log_vocab():
@@ -136,13 +144,66 @@ def test_loss_at_init_is_log_vocab():
     assert abs(float(train.objective(gpt, x, x, cfg)) - math.log(cfg.model_vocab)) < 0.1
 
 
-def test_policy_table_covers_every_parameter():
-    for norm_gain, tie in [(False, False), (True, True)]:
-        cfg = tiny(norm_gain=norm_gain, tie_embeddings=tie)
-        gpt = params.init_gpt(cfg, jax.random.key(0))
-        table = params.policy_table(gpt, cfg)
-        n_params = len(jax.tree.leaves(eqx.filter(gpt, eqx.is_array)))
-        assert len(jax.tree.leaves(table, is_leaf=lambda x: isinstance(x, params.Policy))) == n_params
+@pytest.mark.parametrize("loss_chunks", [1, 2])
+def test_loss_of_a_random_model_is_numpys_cross_entropy(loss_chunks):
+    """Every parameter random (the readout too, and its multiplier 1.5): train.loss_fn is the mean
+    over the batch of -log softmax(numpy_forward's logits)[target], padded vocabulary included."""
+    import train
+    cfg = tiny(n_layer=2, d_model=16, n_head=2, loss_chunks=loss_chunks, alpha_out=1.5)
+    gpt = random_gpt(cfg)
+    rng = np.random.default_rng(5)
+    x, y = (rng.integers(0, cfg.vocab_size, (2, 12)) for _ in range(2))
+    want = []
+    for xb, yb in zip(x, y):
+        logits = numpy_forward(gpt, cfg, xb).astype(np.float64)
+        logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+        want.append(logz - logits[np.arange(12), yb])
+    got = float(train.loss_fn(gpt, jnp.asarray(x), jnp.asarray(y), cfg))
+    assert got == pytest.approx(float(np.mean(want)), rel=1e-4)
+    assert abs(got - math.log(cfg.model_vocab)) > 0.5  # not the uniform loss of a zero readout
+
+
+def expected_policy(cfg) -> dict:
+    """params.policy_rows written out again, per kind of parameter: (init mean, init std, LR
+    multiplier, weight decay, Adam eps multiplier, spec of one layer's array). m, d: width and
+    depth multipliers (Tensor Programs V Table 3; CompleteP)."""
+    D, F, m, d = cfg.d_model, cfg.mlp_width, cfg.d_model / cfg.d_base, cfg.n_layer / cfg.depth_base
+    embed_std = (D / m) ** -0.5 if cfg.tie_embeddings else 1.0
+    hidden = lambda std, spec: (0.0, std, 1 / m, True, 1 / (m * d), spec)
+    gain = (1.0, 0.0, 1.0, False, 1 / (m * d), (None,))
+    return {"emb.embed": (0.0, embed_std, 1.0, True, 1 / m, (None, "fsdp")),
+            "emb.unembed": (0.0, 0.0, 1.0, True, 1 / m, (None, "fsdp")),
+            "blocks.attn.qkv": hidden(D ** -0.5, ("fsdp", None, None)),
+            "blocks.attn.out": hidden(D ** -0.5, (None, None, "fsdp")),
+            "blocks.mlp.up": hidden(D ** -0.5, ("fsdp", None)),
+            "blocks.mlp.down": hidden(F ** -0.5, (None, "fsdp")),
+            "blocks.attn.q_norm": gain, "blocks.attn.k_norm": gain,
+            "blocks.attn_norm": gain, "blocks.mlp_norm": gain,
+            "final_norm": (1.0, 0.0, 1.0, False, 1 / m, (None,)),
+            "mudd.w1": (0.0, D ** -0.5, 1 / m, True, 1.0, ("fsdp", None)),
+            "mudd.w2": (0.0, 0.0, 1.0, True, 1.0, (None, None)),
+            "mudd.b": (0.0, 0.0, 1.0, False, 1.0, (None, None))}
+
+
+@pytest.mark.parametrize("variant", [dict(norm_gain=True, connections="mudd"),
+                                     dict(tie_embeddings=True)])
+def test_policy_table_covers_every_parameter(variant):
+    """Every parameter has a row, and its values are expected_policy's, under muP at width 2x and
+    depth 2x the base (so that every multiplier differs from 1)."""
+    cfg = tiny(param="mup", d_model=64, d_base=32, n_layer=4, depth_base=2, n_head=4, **variant)
+    gpt = params.init_gpt(cfg, jax.random.key(0))
+    table = params.policy_table(gpt, cfg)
+    is_row = lambda x: isinstance(x, params.Policy)
+    rows = jax.tree_util.tree_flatten_with_path(table, is_leaf=is_row)[0]
+    assert len(rows) == len(jax.tree.leaves(eqx.filter(gpt, eqx.is_array)))
+    want = expected_policy(cfg)
+    for path, p in rows:
+        name = params.param_name(path)
+        mean, std, lr, decay, eps, spec = want[name]
+        spec = (None, *spec) if name.startswith("blocks.") else spec  # stacked: L in front
+        got = (p.init_mean, p.init_std, p.lr_mult, p.decay, p.eps_mult)
+        assert got == pytest.approx((mean, std, lr, decay, eps)), name
+        assert tuple(p.spec) == spec, name
 
 
 def test_policy_table_rejects_a_parameter_without_a_row(monkeypatch):
@@ -181,24 +242,24 @@ def test_remat_and_unroll_do_not_change_gradients(remat):
 
 
 def test_the_model_is_differentiable_on_one_unbatched_sequence():
-    """jax.grad of the model alone, no vmap, no train.py: the directional derivative along a random
-    direction equals a central finite difference (float32: to ~1%)."""
-    cfg = tiny()
+    """jax.grad of the model alone, no vmap, no train.py, against an independent derivative: the
+    directional derivative along a random direction equals the central finite difference of
+    numpy_forward (float64, so the difference is exact to ~1e-8)."""
+    cfg = tiny(d_model=16, n_head=2)  # numpy_forward has no norm gains
     gpt = random_gpt(cfg)
-    tokens = jnp.arange(16) % cfg.vocab_size
-    f = lambda m: jnp.sum(jnp.sin(m(tokens)))
-    grads = eqx.filter_grad(f)(gpt)
-    params, static = eqx.partition(gpt, eqx.is_array)
-    keys = jax.random.split(jax.random.key(7), len(jax.tree.leaves(params)))
-    tree = jax.tree.structure(params)
-    d = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) for k, x in
-                                  zip(keys, jax.tree.leaves(params))])
-    moved = lambda eps: eqx.combine(jax.tree.map(lambda p, v: p + eps * v, params, d), static)
-    eps = 1e-3
-    numeric = (f(moved(eps)) - f(moved(-eps))) / (2 * eps)
-    analytic = sum(jnp.vdot(g, v) for g, v in zip(jax.tree.leaves(eqx.filter(grads, eqx.is_array)),
-                                                   jax.tree.leaves(d)))
-    assert float(analytic) == pytest.approx(float(numeric), rel=2e-2)
+    tokens = np.arange(16) % cfg.vocab_size
+    grads = eqx.filter_grad(lambda m: jnp.sum(jnp.sin(m(jnp.asarray(tokens)))))(gpt)
+    params_, static = eqx.partition(gpt, eqx.is_array)
+    rng = np.random.default_rng(7)
+    d = jax.tree.map(lambda x: rng.normal(size=x.shape), params_)
+    f64 = lambda eps: eqx.combine(jax.tree.map(lambda p, v: np.asarray(p, np.float64) + eps * v,
+                                               params_, d), static)
+    f = lambda eps: np.sum(np.sin(numpy_forward(f64(eps), cfg, tokens)))
+    eps = 1e-5
+    numeric = (f(eps) - f(-eps)) / (2 * eps)
+    analytic = sum(float(jnp.vdot(g, v)) for g, v in
+                   zip(jax.tree.leaves(eqx.filter(grads, eqx.is_array)), jax.tree.leaves(d)))
+    assert analytic == pytest.approx(numeric, rel=1e-3)
 
 
 def test_flops_per_token_follow_an_edited_mlp(monkeypatch):

@@ -34,20 +34,22 @@ def trained(shakespeare):
     return model, cfg
 
 
-def greedy_by_recomputation(model, prompt: list[int], n: int, S: int) -> list[int]:
-    """The reference: each token the argmax of the full forward pass over its context, recomputed from
-    scratch, the context being the tokens since the window last slid (by S - S // 2 once it held S + 1).
-    The context is padded to S tokens, so the forward pass compiles once; being causal, the model's
-    logits at the last real token do not see the padding."""
+def greedy_by_recomputation(model, prompt: list[int], n: int, S: int) -> tuple[list[int], list]:
+    """The reference: each token the argmax of the full forward pass over its context, recomputed
+    from scratch, the context being the tokens since the window last slid (by S - S // 2 once it
+    held S + 1). The context is padded to S tokens, so the forward pass compiles once; being
+    causal, the model's logits at the last real token do not see the padding. Returns the tokens
+    and the logits each was picked from."""
     forward = jax.jit(model.__call__)
-    tokens, first = list(prompt), 0
+    tokens, first, logits = list(prompt), 0, []
     for _ in range(n):
         if len(tokens) - first > S:
             first += S - S // 2
         context = tokens[first:]
         logits_TV = np.asarray(forward(jnp.asarray(context + [0] * (S - len(context)))))
+        logits.append(logits_TV[len(context) - 1])
         tokens.append(int(np.argmax(logits_TV[len(context) - 1, :N_VOCAB])))
-    return tokens[len(prompt):]
+    return tokens[len(prompt):], logits
 
 
 def run(model, cfg, prompt: list[int], seed=0, temperature=1.0, **settings) -> np.ndarray:
@@ -56,14 +58,32 @@ def run(model, cfg, prompt: list[int], seed=0, temperature=1.0, **settings) -> n
                                       jnp.float32(temperature), **settings))
 
 
-def test_cached_greedy_equals_greedy_by_recomputation(trained):
-    """60 tokens from a 5-token prompt with a 32-token window: 27 within it, then two slides."""
+def test_cached_greedy_equals_greedy_by_recomputation(trained, monkeypatch):
+    """60 tokens from a 5-token prompt with a 32-token window: 27 within it, then two slides.
+    The tokens, and the logits each was picked from (read out of generate by a callback in
+    pick), equal the full forward's: a cache bug that leaves the argmax alone still fails."""
     model, cfg = trained
     prompt = [18, 47, 56, 57, 58]  # "First"
-    want = greedy_by_recomputation(model, prompt, 60, cfg.block_size)
-    got = run(model, cfg, prompt, temperature=0.0)
+    want, want_logits = greedy_by_recomputation(model, prompt, 60, cfg.block_size)
+    seen = []
+    pick = decode.pick
+
+    def recording_pick(logits_V, *args, **kwargs):
+        jax.debug.callback(lambda v: seen.append(np.asarray(v)), logits_V, ordered=False)
+        return pick(logits_V, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "pick", recording_pick)
+    # three samples: a shape no other test compiles generate for, so it is traced with the patch
+    got = run(model, cfg, prompt, temperature=0.0, num_samples=3)
     assert len(set(want)) > 3  # not one token repeated: a real check of the cache
-    assert got[0].tolist() == want and got[1].tolist() == want
+    assert all(row.tolist() == want for row in got)
+    # the first pick sees the prefill's logits broadcast to the samples, then one per sample
+    assert len(seen) == 60 * 3
+    got_logits = np.reshape(seen, (60, 3, -1))
+    for i, logits_V in enumerate(want_logits):
+        for b in range(3):
+            np.testing.assert_allclose(got_logits[i, b], logits_V, rtol=1e-4, atol=1e-4,
+                                       err_msg=f"token {i}, sample {b}")
 
 
 def test_extend_gives_the_full_forward_logits():
@@ -89,7 +109,7 @@ def test_alibi_decodes_past_block_size_as_its_full_forward():
     cfg = tiny(block_size=8, position="alibi", n_head=4)
     model, S = random_gpt(cfg), 3 * cfg.block_size
     prompt = [18, 47, 56, 57, 58]
-    want = greedy_by_recomputation(model, prompt, 40, S)
+    want, _ = greedy_by_recomputation(model, prompt, 40, S)
     got = decode.generate(model, decode.prompt_window(prompt, S), jax.random.key(0),
                           jnp.float32(0.0), num_samples=1, max_new_tokens=40, n_vocab=N_VOCAB)
     assert np.asarray(got)[0].tolist() == want

@@ -1,0 +1,103 @@
+"""FSDP pinned: each parameter's PartitionSpec against a table written here, and the compiled
+train step's communication on 4 simulated devices against the FSDP volume of the parameters."""
+import json
+import math
+
+import equinox as eqx
+import jax
+import pytest
+
+import params
+from conftest import run, tiny
+
+# name: (its axes, by model.py's legend; its spec). FSDP splits every matrix along D, the model
+# width; vectors (gains) and the connections' small MUDD matrices stay whole. Written out here,
+# not read from params.py, so that a changed spec fails a test.
+EXPECTED = {
+    "emb.embed": ("V D", (None, "fsdp")),
+    "emb.unembed": ("V D", (None, "fsdp")),
+    "blocks.attn_norm": ("L D", (None, None)),
+    "blocks.attn.qkv": ("L D N K", (None, "fsdp", None, None)),  # N: H + 2G heads
+    "blocks.attn.out": ("L H K D", (None, None, None, "fsdp")),
+    "blocks.attn.q_norm": ("L K", (None, None)),
+    "blocks.attn.k_norm": ("L K", (None, None)),
+    "blocks.mlp_norm": ("L D", (None, None)),
+    "blocks.mlp.up": ("L D F", (None, "fsdp", None)),
+    "blocks.mlp.down": ("L F D", (None, None, "fsdp")),
+    "final_norm": ("D", (None,)),
+    "mudd.w1": ("D M", ("fsdp", None)),  # M: C J, the connections' weights
+    "mudd.w2": ("M M", (None, None)),
+    "mudd.b": ("C J", (None, None)),
+}
+# tests/sharding_probe.py's model: every axis a different size, so a shape names its axes
+SIZES = dict(V=128, D=64, L=2, N=12, K=16, H=4, F=256)
+
+
+def test_the_table_is_fsdp_over_d():
+    """The table itself: "fsdp" sits on D in every matrix of more than D entries."""
+    for name, (axes, spec) in EXPECTED.items():
+        axes = axes.split()
+        matrix = len(axes) - axes.count("L") >= 2 and "D" in axes
+        assert [a == "fsdp" for a in spec] == [matrix and a == "D" for a in axes], name
+
+
+@pytest.mark.parametrize("variant", [{}, {"norm_gain": True, "tie_embeddings": True},
+                                     {"norm_gain": True, "connections": "mudd"}])
+def test_every_parameter_has_the_tables_spec(variant):
+    cfg = tiny(d_model=64, n_head=4, n_layer=2, **variant)
+    gpt = eqx.filter_eval_shape(params.init_gpt, cfg, jax.random.key(0))
+    table = params.policy_table(gpt, cfg)
+    leaves = jax.tree_util.tree_flatten_with_path(params.partition_specs(table))[0]
+    assert leaves
+    for path, spec in leaves:
+        name = params.param_name(path)
+        assert tuple(spec) == EXPECTED[name][1], name
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    """tests/sharding_probe.py's two compilations: as is, and with the activations constrained."""
+    r = run(["tests/sharding_probe.py"], timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [json.loads(line) for line in r.stdout.splitlines()[-2:]]
+
+
+def check_fsdp(out: dict) -> None:
+    """The arrays on 4 devices carry the table's specs; the step all-gathers each sharded
+    parameter along D, one layer at a time, and its communication is the FSDP volume: the
+    sharded parameters gathered once forward and once backward (2x their bytes; 1x to 3x
+    allowed) and their gradients reduced (1x), activations never (at 4096 tokens per step the
+    blocks' activations are 30x the parameters)."""
+    sharded = 0
+    want_gathers = set()
+    for name, shape in out["shapes"].items():
+        axes, spec = EXPECTED[name]
+        assert tuple(shape) == tuple(SIZES[a] for a in axes.split()), name
+        assert tuple(out["specs"][name]) == spec, name
+        if "fsdp" in spec:
+            sharded += 4 * math.prod(shape)
+            one = [n for a, n in zip(axes.split(), shape) if a != "L"]  # one layer's array
+            want_gathers.add((",".join(map(str, one)), axes.replace("L ", "").split().index("D")))
+    gathers = [c for c in out["collectives"] if c["kind"] == "all-gather"]
+    got = {(c["shapes"][0], c["dim"]) for c in gathers}
+    assert want_gathers <= got, sorted(want_gathers - got)
+    gathered = sum(c["bytes"] * c["runs"] for c in gathers)
+    total = sum(c["bytes"] * c["runs"] for c in out["collectives"])
+    print(f"sharded parameters {sharded:,} B; all-gathers {gathered:,} B, all collectives "
+          f"{total:,} B per step")
+    assert sharded <= gathered <= 3 * sharded
+    assert total <= 5 * sharded
+
+
+@pytest.mark.xfail(strict=True, reason="train.py leaves FSDP to XLA's partitioner, which takes "
+                   "the embedding's D split for the activations: each device gathers the whole "
+                   "batch and all-reduces (B, T, F) activations per layer (test_sharding's "
+                   "constrained case shows the FSDP layout)")
+def test_the_train_step_communicates_as_fsdp(compiled):
+    check_fsdp(compiled[0])
+
+
+def test_with_activations_split_over_the_batch_the_step_is_fsdp(compiled):
+    """The probe's model with the embedding's output constrained to the batch split (one
+    with_sharding_constraint): the step is FSDP, and check_fsdp passes."""
+    check_fsdp(compiled[1])

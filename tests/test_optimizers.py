@@ -230,8 +230,8 @@ def test_resume_with_another_optimizer_is_one_line(shakespeare, tmp_path, env):
     rundir.mkdir()
     (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(ckpt.tiny_config())))
     r = ckpt.run(ckpt.launch_args(rundir, "--config.optimizer=muon"), env)
-    ckpt.assert_one_line_error(r, f"{rundir} holds a run with optimizer='adamw', this launch has "
-                                  f"optimizer='muon': resuming may change only max_steps")
+    ckpt.assert_one_line_error(r, f"{rundir} holds a run with optimizer='adamw' there, 'muon' "
+                                  f"here: resuming may change only max_steps")
     assert sorted(p.name for p in rundir.iterdir()) == ["config.json"]
 
 

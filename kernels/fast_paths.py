@@ -43,6 +43,9 @@ TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
 SPLASH_BLOCK = 128  # splash attention's default blocks of queries and keys
 
 
+# --------------------------------------------------------------------------------------------------
+# Where a run is: the backend, and the batch axes a kernel runs per device over
+
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
@@ -80,6 +83,9 @@ def per_device(kernel: Callable, *arrays):
     return jax.shard_map(kernel, in_specs=P(), out_specs=P(), axis_names=set(axes),
                          check_vma=False)(*arrays)
 
+
+# --------------------------------------------------------------------------------------------------
+# The self-check: each fast path against model.py's function, where the model calls it
 
 @dataclasses.dataclass(frozen=True)
 class FastPath:
@@ -320,6 +326,9 @@ def mismatch(fast: Callable, reference: Callable, arrays: tuple, call: Callable,
 def first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
+
+# --------------------------------------------------------------------------------------------------
+# The fast paths: attention (cuDNN on a GPU, splash on a TPU), QK-norm + RoPE, GELU
 
 def cudnn_attend(q_THK, k_SGK, v_SGK, scale: float, mask_TS=None, bias_HTS=None):
     """model.attend by jax.nn.dot_product_attention: cuDNN's flash attention on a GPU (its XLA

@@ -181,3 +181,20 @@ def test_a_resumed_run_is_bitwise_the_straight_one(shakespeare, tmp_path):
     for a, b in zip(final_arrays(tmp_path / "resumed", cfg),
                     final_arrays(tmp_path / "straight", cfg), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_recomputed_blocks_draw_the_same_masks():
+    """remat=full recomputes each block in the backward pass, masks included: the loss and
+    gradients of dropout with it (and the layers unrolled) and without it agree."""
+    x, y = batch(tiny())
+    out = []
+    for remat, unroll in (("none", 1), ("full", 2)):
+        cfg = tiny(dropout=RATE, remat=remat, scan_unroll=unroll)
+        model = random_arrays(init_gpt(cfg, jax.random.key(0)))
+        keys_B = train.dropout_keys(cfg, 7, x)[0]
+        f = eqx.filter_jit(eqx.filter_value_and_grad(train.loss_fn))
+        out.append(f(model, x[0], y[0], cfg, keys_B))
+    for loss, grads in out[1:]:
+        np.testing.assert_allclose(loss, out[0][0], rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(out[0][1]), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

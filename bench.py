@@ -14,6 +14,7 @@ import contextlib
 import gzip
 import importlib.util
 import json
+import os
 import re
 import sys
 import tempfile
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 
 import configs
+import launch
 from configs import Config
 from run.errors import RunError, UsageError
 
@@ -108,6 +110,14 @@ def variant(cfg: Config) -> dict:
             "connections": cfg.connections}
 
 
+def in_force(platform: str) -> dict:
+    """The XLA flags, and on a GPU the fraction of its memory JAX's allocator takes (launch.py's
+    default unless XLA_PYTHON_CLIENT_MEM_FRACTION was set): what else shapes a measurement."""
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    return {"xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "memory_fraction": float(fraction) if platform == "gpu" and fraction else None}
+
+
 def time_to(cfg: Config, target: float, rundir: str | None) -> dict:
     """Train cfg; the wall time from the call to the first evaluation with a val loss at most
     target (compiling, evaluations included), from the run's events by tensorboard's reader."""
@@ -126,11 +136,13 @@ def time_to(cfg: Config, target: float, rundir: str | None) -> dict:
     val = events.Scalars("loss/val")
     first = next((e for e in val if e.value <= target), None)
     return {"device_kind": jax.devices()[0].device_kind, "device_count": jax.device_count(),
+            **in_force(jax.devices()[0].platform),
             "jax_version": jax.__version__, "target_val_loss": target, "reached": bool(first),
             "wall_s": round(first.wall_time - start, 1) if first else None,
             "step": first.step if first else None, "val_loss": first.value if first else None,
             "best_val_loss": min(e.value for e in val), "max_steps": cfg.max_steps,
-            "eval_interval": cfg.eval_interval, "rundir": rundir, **variant(cfg)}
+            "eval_interval": cfg.eval_interval, "dropout": cfg.dropout, "rundir": rundir,
+            **variant(cfg)}
 
 
 def time_checkpoint(cfg: Config, state: tuple, where: str) -> dict:
@@ -200,20 +212,24 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
         print("\n".join(f"{ms:9.3f}  {name}" for name, ms in ops.items()), file=sys.stderr)
     device = jax.devices()[0]
     flops = params.flops_per_token(s.model, cfg.block_size)
+    # MaxText's and llm.c's accounting: attention's scores and their use for the causal half only
+    causal = flops - (flops - params.flops_per_token(s.model, 0)) // 2  # 6N + 6·L·H·K·T
     tokens_per_s = cfg.batch_size * cfg.block_size / step_s
     peak = metrics.peak_flops(device)
+    mfu = lambda f: round(tokens_per_s * f / (peak * jax.device_count()), 4) if peak else None
     memory = device.memory_stats() or {}
     result = {
         "device_kind": device.device_kind, "device_count": jax.device_count(),
         "jax_version": jax.__version__, "tokens_per_s": round(tokens_per_s, 1),
         "step_ms": round(1e3 * step_s, 2), "flops_per_token": flops,
         "flops_formula": "6N + 12*L*H*K*T (PaLM app. B; N = the block and readout matrices)",
-        "mfu": round(tokens_per_s * flops / (peak * jax.device_count()), 4) if peak else None,
+        "flops_per_token_causal": causal, "mfu": mfu(flops), "mfu_causal": mfu(causal),
+        "peak_flops": peak,
         "compile_s": round(first_s - step_s, 2),
         "peak_memory_bytes": memory.get("peak_bytes_in_use"), "compute_dtype": cfg.compute_dtype,
         "remat": cfg.remat, "scan_unroll": cfg.scan_unroll,
         "kernels": sorted(kernels_in(s.model)), "kernel_impls": kernels_in(s.model),
-        **variant(cfg),
+        **variant(cfg), **in_force(device.platform),
     }
     if device.platform == "cpu":
         measured = matmul_peak(cfg.compute_dtype)
@@ -242,6 +258,7 @@ def main() -> None:
                     help="train instead; the wall time to the first val loss <= LOSS")
     ap.add_argument("--rundir", help="with --time-to: the run directory (default: a new one)")
     args, overrides = ap.parse_known_args()
+    launch.default_memory_fraction()  # before jax starts, as a training run
     try:
         if args.steps < 1:
             raise UsageError(f"--steps={args.steps} must be at least 1")

@@ -83,6 +83,15 @@ def alibi_bias(q_T: Array, k_S: Array, H: int) -> Array:
     return -slopes_H[:, None, None] * (q_T[:, None] - k_S[None, :])
 
 
+def dropout(x: Array, rate: float, key: Array | None) -> Array:
+    """Elements zeroed with probability rate, the rest scaled by 1 / (1 - rate) (Srivastava et al.
+    2014); without a key (evaluation, sampling, export: all but train.py's step) x itself."""
+    if key is None or rate == 0:
+        return x
+    keep = jax.random.bernoulli(key, 1 - rate, x.shape)
+    return jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
+
+
 def gelu(x: Array) -> Array:  # GPT-2's tanh form
     return jax.nn.gelu(x)
 
@@ -206,21 +215,26 @@ class Block(eqx.Module):
     mlp: MLP
     # CompleteP: residual branches scaled by depth_base / L (Dey et al. 2025, alpha = 1)
     branch_mult: float = eqx.field(static=True)
+    dropout_rate: float = eqx.field(static=True)  # cfg.dropout, on each branch's output
 
     def __init__(self, cfg: Config, fast: dict[str, Callable]):
         self.attn_norm = self.mlp_norm = jnp.ones(cfg.d_model) if cfg.norm_gain else None
         self.attn, self.mlp = Attention(cfg, fast), MLP(cfg, fast)
-        self.branch_mult = 1 / cfg.depth_mult
+        self.branch_mult, self.dropout_rate = 1 / cfg.depth_mult, cfg.dropout
 
-    def __call__(self, xs_TD: tuple[Array, ...], at: Positions,
-                 cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+    def __call__(self, xs_TD: tuple[Array, ...], at: Positions, cache: KVCache | None = None,
+                 key: Array | None = None) -> tuple[Array, KVCache | None]:
         """xs_TD: the residual stream (x,), or MUDD's streams for the queries, (keys,) values and
-        the residual. Returns the new residual stream and the layer's cache (Attention's)."""
+        the residual. Returns the new residual stream and the layer's cache (Attention's). key:
+        dropout's. nanoGPT drops each branch's output before the residual add and the attention
+        probabilities (attn_dropout); here the former only: fused attention takes no dropout."""
         *streams, x_TD = xs_TD
+        attn_key, mlp_key = (None, None) if key is None else jax.random.split(key)
         normed = tuple(rms_norm(s, self.attn_norm) for s in streams or [x_TD])
         attn_TD, cache = self.attn(normed, at, cache)
-        x_TD = x_TD + self.branch_mult * attn_TD
-        x_TD = x_TD + self.branch_mult * self.mlp(rms_norm(x_TD, self.mlp_norm))
+        x_TD = x_TD + self.branch_mult * dropout(attn_TD, self.dropout_rate, attn_key)
+        mlp_TD = self.mlp(rms_norm(x_TD, self.mlp_norm))
+        x_TD = x_TD + self.branch_mult * dropout(mlp_TD, self.dropout_rate, mlp_key)
         return tap("resid", x_TD), cache
 
 
@@ -273,6 +287,7 @@ class GPT(eqx.Module):
     dtype: str = eqx.field(static=True)
     remat: Literal["none", "full", "save_dots"] = eqx.field(static=True)
     unroll: int = eqx.field(static=True)
+    dropout_rate: float = eqx.field(static=True)  # cfg.dropout, on the embedding's output
 
     def __init__(self, cfg: Config, fast: dict[str, Callable] | None = None):
         """The structure and static fields; the arrays are placeholders that init_gpt draws anew.
@@ -289,6 +304,7 @@ class GPT(eqx.Module):
         self.alpha_in, self.readout_mult = cfg.alpha_in, cfg.alpha_out / cfg.width_mult
         self.rope_base = cfg.rope_base if cfg.position == "rope" else None
         self.dtype, self.remat, self.unroll = cfg.compute_dtype, cfg.remat, cfg.scan_unroll
+        self.dropout_rate = cfg.dropout
 
     def embeddings(self) -> Embeddings:
         return self.emb() if isinstance(self.emb, eqx.nn.Shared) else self.emb
@@ -297,30 +313,34 @@ class GPT(eqx.Module):
         """Logits in float32 for one sequence."""
         return self.logits(self.hidden(tokens_T)[0])
 
-    def hidden(self, tokens_T: Int[Array, "T"], start=0,
-               cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
+    def hidden(self, tokens_T: Int[Array, "T"], start=0, cache: KVCache | None = None,
+               key: Array | None = None) -> tuple[Array, KVCache | None]:
         """The stream after the last block for tokens at positions start.., and sample.py's KV
         cache (L in front) with them written. A lax.scan over the stacked blocks (compile time
         flat in depth); with MUDD, whose blocks read every earlier state, a Python loop: a scan
-        would carry and save a copy of the whole history per layer."""
+        would carry and save a copy of the whole history per layer. key: this sequence's dropout
+        key (train.py's); None, the default, is no dropout."""
         S = None if cache is None else cache.v.shape[1]
         at = self.positions(start + jnp.arange(tokens_T.shape[0]), S)
         params, static = eqx.partition(self.blocks, eqx.is_array)
+        keys = None if key is None else jax.random.split(key, 1 + self.blocks.attn.out.shape[0])
+        embed_key, block_keys = (None, None) if key is None else (keys[0], keys[1:])  # 1 + L
 
         def layer(xs_TD, inputs):
-            block_params, layer_cache = inputs
-            return eqx.combine(block_params, static)(xs_TD, at, layer_cache)
+            block_params, layer_cache, layer_key = inputs
+            return eqx.combine(block_params, static)(xs_TD, at, layer_cache, layer_key)
 
         if self.remat != "none":  # prevent_cse=False is safe inside scan (jax.checkpoint's docs)
             policy = REMAT_POLICIES[self.remat]
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=self.mudd is not None)
-        x_TD = self.embed(tokens_T)
+        x_TD = dropout(self.embed(tokens_T), self.dropout_rate, embed_key)
         if self.mudd is None:
             step = lambda x_TD, inputs: layer((x_TD,), inputs)
-            return jax.lax.scan(step, x_TD, (params, cache), unroll=self.unroll)
+            return jax.lax.scan(step, x_TD, (params, cache, block_keys), unroll=self.unroll)
         states, xs_TD, caches = [x_TD], (x_TD,), []
         for i, connect in enumerate(self.mudd):
-            x_TD, layer_cache = layer(xs_TD, jax.tree.map(lambda a: a[i], (params, cache)))
+            inputs = jax.tree.map(lambda a: a[i], (params, cache, block_keys))
+            x_TD, layer_cache = layer(xs_TD, inputs)
             states.append(x_TD)
             caches.append(layer_cache)
             xs_TD = connect(states)

@@ -54,14 +54,16 @@ def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(grid, ("replica", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> tuple[jax.Array, ...]:
+def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config,
+            keys_B: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """(The objective autodiff trains on, the next-token cross-entropy): means in float32 over a
     batch from one readout. Logged is the cross-entropy (loss/...), comparable between runs; a
     term added to the objective (a z-loss) trains the model and is logged as objective/....
     cfg.loss_chunks > 1 takes the readout a group of sequences at a time, recomputed in the
-    backward pass (jax.checkpoint), so the float32 (B, T, V) logits never exist whole."""
+    backward pass (jax.checkpoint), so the float32 (B, T, V) logits never exist whole. keys_B: the
+    sequences' dropout keys (None: no dropout, as in evaluation)."""
     chunks = cfg.loss_chunks
-    h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=fast_paths.batch_axes())(x_BT)
+    h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=fast_paths.batch_axes())(x_BT, key=keys_B)
 
     def chunk_losses(h_btD, y_bt):  # sums over the chunk's tokens
         logits_btV = jax.vmap(model.logits)(h_btD)
@@ -94,10 +96,13 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
     dp = mesh.shape["replica"] > 1  # XLA's partitioner rejects a shard_map over an axis of size 1
     grads_sharding = jax.tree.map(lambda s: s.spec if dp else s, model_sharding)  # in shard_map
 
-    def replica_grads(params, x_GBT, y_GBT):  # one replica's B / mesh_replica sequences
+    def replica_grads(params, x_GBT, y_GBT, step):  # one replica's B / mesh_replica sequences
         n = len(x_GBT) * mesh.shape["replica"]  # the mean over microbatches and replicas
-        # the objective differentiated, the cross-entropy beside it (has_aux)
-        mean_losses = lambda model, x, y: tuple(s / n for s in loss_fn(model, x, y, cfg))
+        # the objective differentiated, the cross-entropy beside it (has_aux); with dropout, each
+        # sequence's key (without, loss_fn is called as a researcher wrote it)
+        keys = (dropout_keys(cfg, step, x_GBT, mesh.shape["replica"]),) if cfg.dropout else ()
+        mean_losses = lambda model, x, y, *key: tuple(
+            v / n for v in loss_fn(model, x, y, cfg, *key))
 
         def micro(grads, xy):
             (objective, cross_entropy), g = eqx.filter_value_and_grad(mean_losses, has_aux=True)(
@@ -106,19 +111,19 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         zeros = jax.lax.with_sharding_constraint(zeros, grads_sharding)
-        grads, losses_G = jax.lax.scan(micro, zeros, (x_GBT, y_GBT))
+        grads, losses_G = jax.lax.scan(micro, zeros, (x_GBT, y_GBT, *keys))
         losses_and_grads = (tuple(s.sum() for s in losses_G), grads)
         return jax.lax.psum(losses_and_grads, "replica") if dp else losses_and_grads
 
     if dp:
         batch = P(None, "replica")
-        replica_grads = jax.shard_map(replica_grads, mesh=mesh, in_specs=(P(), batch, batch),
+        replica_grads = jax.shard_map(replica_grads, mesh=mesh, in_specs=(P(), batch, batch, P()),
                                       out_specs=P(), axis_names={"replica"}, check_vma=False)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))  # the int32 batch has no output to reuse it
     @eqx.debug.assert_max_traces(max_traces=1)  # a second trace is a silent recompile: a bug
-    def jitted(params, opt_state, x_GBT, y_GBT):
-        (objective, loss), grads = replica_grads(params, x_GBT, y_GBT)
+    def jitted(params, opt_state, x_GBT, y_GBT, step):
+        (objective, loss), grads = replica_grads(params, x_GBT, y_GBT, step)
         grad_norm = optax.tree.norm(grads)
 
         # A non-finite loss or gradient is skipped: the state stays as it was, Adam moments and
@@ -143,15 +148,26 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
     # them. Elsewhere the loop runs ahead, so the host's next batch overlaps the device's step.
     block = mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1
 
-    def step(model: GPT, opt_state, x_GBT, y_GBT):
+    def step(model: GPT, opt_state, x_GBT, y_GBT, index=0):  # index: the step's (dropout's)
         params = eqx.filter(model, eqx.is_array)
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # fast_paths.per_device reads it
-            params, opt_state, metrics = jitted(params, opt_state, x_GBT, y_GBT)
+            params, opt_state, metrics = jitted(params, opt_state, x_GBT, y_GBT, index)
         if block:
             jax.block_until_ready(metrics)
         return eqx.combine(params, static), opt_state, metrics
 
     return step
+
+
+def dropout_keys(cfg: Config, step, x_GBT: jax.Array, replicas: int = 1) -> jax.Array:
+    """(G, B) dropout keys for a step's microbatches x_GBT (in the step's shard_map, this replica's
+    B rows): row i of data.get_batch's draw gets fold_in(fold_in(key(seed), step), i), the same
+    masks whatever the devices, replicas, microbatches or resumes."""
+    G, B, _ = x_GBT.shape
+    first = jax.lax.axis_index("replica") * B if replicas > 1 else 0  # this replica's first row
+    rows_GB = jnp.arange(G)[:, None] * B * replicas + first + jnp.arange(B)
+    step_key = jax.random.fold_in(jax.random.key(cfg.seed), step)
+    return jax.vmap(jax.vmap(lambda i: jax.random.fold_in(step_key, i)))(rows_GB)
 
 
 def evaluate(model: GPT, cfg: Config, train_tokens, val_tokens, mesh) -> dict[str, float]:
@@ -278,7 +294,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
                 done = step + 1
                 x, y = data.global_batch(train_tokens, cfg.seed, data.TRAIN, step, batch_sharding,
                                          batch_shape)
-                model, opt_state, metrics = step_fn(model, opt_state, x, y)
+                model, opt_state, metrics = step_fn(model, opt_state, x, y, step)
                 tally.on_device.append(metrics)
                 if debug and done == end:
                     jax.block_until_ready(model)

@@ -43,6 +43,9 @@ class Config:
     compute_dtype: Literal["float32", "bfloat16"] = "bfloat16"  # parameters always stay float32
     remat: Literal["none", "full", "save_dots"] = "none"  # what the backward pass recomputes
     scan_unroll: int = 1  # layers per scan iteration; >1 trades compile time for speed
+    # dropout on the embedding's and each residual branch's output in training (model.dropout),
+    # keyed by (seed, step, sequence); evaluation, sampling and export run without
+    dropout: float = 0.0
     # groups of sequences the readout and loss take one at a time (train.loss_fn): >1 keeps the
     # float32 (B, T, V) logits from existing whole, for one more readout matmul forward
     loss_chunks: int = 1
@@ -246,6 +249,7 @@ class Config:
                f"{f}={getattr(self, f)} must be > 0 and finite") for f in finite),
             (0 < self.mlp_ratio < math.inf and self.mlp_width < 1,
              f"mlp_ratio={self.mlp_ratio} x d_model={self.d_model} rounds to an MLP width of 0"),
+            (not 0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)"),
             (self.seed < 0, f"seed={self.seed} must be >= 0"),
             (self.eval_tasks and self.eval_tasks_interval % self.eval_interval,
              f"eval_tasks_interval={self.eval_tasks_interval} is not a multiple of "

@@ -4,7 +4,8 @@ Decoding keeps a key/value cache of S positions (sample.py's --context, default 
 model was trained on those). A longer prompt keeps its last S tokens, and when the cache is full the
 window slides by half: the last S // 2 tokens are run again from position 0 (a fresh cache) and
 generation goes on, so every new token sees S // 2 to S tokens. Each layer runs its own
-Block.__call__ (model.hidden with a cache), no fused kernels, so an edit of model.py reaches decoding.
+Block.__call__ (model.hidden with a cache), no fused kernels, so an edit of model.py reaches
+decoding.
 
 Shapes as in model.py, plus S cache positions and N new tokens per sample."""
 from functools import partial

@@ -1,4 +1,4 @@
-"""The Pallas kernel behind kernels/fast_paths.py's fused model.qk_norm_rope: QK-LayerNorm then RoPE, from
+"""The Pallas kernel behind fast_paths.py's fused model.qk_norm_rope: QK-LayerNorm then RoPE, from
 the projection's q (T, H, K) and k (T, G, K) straight to what attention takes, in one pass each way
 where XLA made many over float32 intermediates. Triton on a GPU; elsewhere Pallas's interpreter,
 which is how the tests run it on a CPU. G <= H: grouped-query and SharedKV keys included.

@@ -162,11 +162,25 @@ class Tally:
                            f"(max_nonfinite={self.cfg.max_nonfinite}): the run has diverged")
 
 
-# Dense bf16 peak FLOP/s per device from the datasheets, matched against jax's device_kind in order.
-PEAK_FLOPS = [("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("v4", 275e12),
-              ("v5 lite", 197e12), ("v5e", 197e12), ("v5p", 459e12), ("v5", 459e12)]
+# Dense bf16 peak FLOP/s per device from the datasheets, by jax's device_kind exactly (the GPU
+# driver's product name, libtpu's chip name): a substring would score an H100 PCIe (756) or NVL
+# (835) against the SXM's 989. A kind not listed has no peak, so no MFU rather than a wrong one.
+PEAK_FLOPS = {
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM5
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # H200 SXM: the H100's tensor cores, more and faster memory
+    "NVIDIA A100-SXM4-40GB": 312e12, "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12, "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA L4": 121e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12, "TPU v5e": 197e12,  # v5e: libtpu says "v5 lite"
+    "TPU v5": 459e12, "TPU v5p": 459e12,  # v5p: libtpu says "v5"
+    "TPU v6 lite": 918e12, "TPU v6e": 918e12,  # v6e (Trillium)
+}
 
 
 def peak_flops(device) -> float | None:
-    """None where no datasheet peak is known (a CPU): MFU is then reported as unknown."""
-    return next((peak for name, peak in PEAK_FLOPS if name in device.device_kind), None)
+    """None where no datasheet peak is known (a CPU, a kind not in PEAK_FLOPS): MFU is then
+    reported as unknown."""
+    return PEAK_FLOPS.get(device.device_kind)

@@ -1,7 +1,7 @@
 """What a checkpoint's save wrote: each file's size, and the CRC32 of the small ones (orbax's
 metadata), recorded in the step's RECORD just before orbax commits the step, and checked when it
-is restored (run/checkpoint.py): a file cut short or lost, or metadata altered, is damage, told apart
-from a readable checkpoint of another model. And the run's own record of the steps it saved
+is restored (run/checkpoint.py): a file cut short or lost, or metadata altered, is damage, told
+apart from a readable checkpoint of another model. And the run's own record of the steps it saved
 (RUNDIR/checkpoints.json), which outlives the step directories: a lost checkpoint is then told from
 one never saved.
 """

@@ -1,6 +1,7 @@
 """bench.py prints one valid JSON line with every field, for a tiny config."""
 import json
 import math
+import os
 import re
 
 import pytest
@@ -11,7 +12,8 @@ TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model
         "--config.block_size=16", "--config.batch_size=4"]
 FIELDS = {"name", "device_kind", "device_count", "jax_version", "tokens_per_s", "step_ms", "flops_per_token",
           "flops_formula", "mfu", "compile_s", "peak_memory_bytes", "compute_dtype", "remat", "scan_unroll",
-          "kernels", "matmul_peak_flops", "fraction_of_matmul_peak"}
+          "kernels", "matmul_peak_flops", "fraction_of_matmul_peak", "flops_per_token_causal", "mfu_causal",
+          "peak_flops", "xla_flags", "memory_fraction"}
 
 
 def test_bench_prints_one_json_line_with_every_field():
@@ -22,10 +24,13 @@ def test_bench_prints_one_json_line_with_every_field():
     out = json.loads(lines[0])
     assert FIELDS <= out.keys()
     assert out["device_kind"] == "cpu" and out["mfu"] is None  # no datasheet peak: no made-up MFU
+    assert out["mfu_causal"] is None and out["peak_flops"] is None
+    assert out["memory_fraction"] is None  # a GPU's allocator alone reads it
     assert out["kernels"] == []  # fused kernels run on a GPU only
     assert out["tokens_per_s"] == pytest.approx(4 * 16 / (out["step_ms"] / 1e3), rel=0.01)
     L, D, T, V = 2, 32, 16, 128
     assert out["flops_per_token"] == 6 * (L * 12 * D * D + D * V) + 12 * L * D * T
+    assert out["flops_per_token_causal"] == 6 * (L * 12 * D * D + D * V) + 6 * L * D * T  # H K = D
     assert 0 < out["fraction_of_matmul_peak"] < 1.5 and out["compile_s"] > 0
 
 
@@ -57,6 +62,7 @@ def test_bench_trace_prints_the_costliest_ops(tmp_path, devices):
             {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"})
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip().splitlines()) == 1 and json.loads(r.stdout)["device_count"] == devices
+    assert json.loads(r.stdout)["xla_flags"] == f"--xla_force_host_platform_device_count={devices}"
     ops = [(float(ms), name) for ms, name in re.findall(r"^ +(\d+\.\d+)  (\S+)$", r.stderr, re.M)]
     assert ops and all(re.fullmatch(r"[a-z][\w-]*(\.\d+)?", name) for _, name in ops), r.stderr
     assert [ms for ms, _ in ops] == sorted((ms for ms, _ in ops), reverse=True) and ops[-1][0] >= 0
@@ -73,3 +79,25 @@ def test_bench_time_to_reports_the_first_evaluation_at_the_target(shakespeare, t
     assert reached["reached"] and reached["step"] == 0 and 0 < reached["wall_s"]
     assert reached["val_loss"] == pytest.approx(math.log(128), abs=0.1)  # zero readout: uniform
     assert reached["command"].endswith("--time-to=10 --rundir=" + str(tmp_path / "a"))
+
+
+@pytest.mark.parametrize("command", ["launch", "bench"])
+@pytest.mark.parametrize("given", [None, "0.5"])
+def test_the_gpu_memory_fraction_defaults_to_0_9_unless_given(monkeypatch, command, given):
+    """launch.py and bench.py set XLA_PYTHON_CLIENT_MEM_FRACTION before JAX's GPU backend starts
+    (checked here by a run that stops at its config check), and leave a value the user set."""
+    import signal
+
+    import bench
+    import launch
+
+    if given is None:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", given)
+    monkeypatch.setattr(signal, "signal", lambda *args: None)  # launch.main's handlers: not here
+    bad = ["--config=shakespeare_char_cpu", "--config.batch_size=7", "--config.grad_accum=2"]
+    monkeypatch.setattr("sys.argv", [f"{command}.py", *bad])
+    with pytest.raises(SystemExit, match="batch_size=7 is not divisible"):
+        (launch if command == "launch" else bench).main()
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == (given or "0.9")

@@ -145,7 +145,7 @@ class Attention(eqx.Module):
     shared_kv: bool = eqx.field(static=True)
     alibi: bool = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
-    # fused versions of attend and qk_norm_rope that kernels.select checked against them, or None
+    # fused versions of attend and qk_norm_rope that fast_paths.select checked, or None
     fast_attend: Callable | None = eqx.field(static=True)
     fast_qk_norm_rope: Callable | None = eqx.field(static=True)
 
@@ -172,6 +172,7 @@ class Attention(eqx.Module):
             parts = [jnp.einsum("TD,DNK->TNK", x, w) for x, w in zip(xs_TD, w_parts)]
         return [parts[0], parts[1], parts[1]] if self.shared_kv else parts
 
+    @jax.named_scope("attn")  # a profile groups its ops under this name
     def __call__(self, xs_TD: tuple[Array, ...], at: Positions,
                  cache: KVCache | None = None) -> tuple[Array, KVCache | None]:
         """The attention output (T, D), and the cache with these tokens' keys and values written
@@ -195,13 +196,14 @@ class MLP(eqx.Module):
     up: Float[Array, "D F"]
     down: Float[Array, "F D"]
     dtype: str = eqx.field(static=True)
-    fast_gelu: Callable | None = eqx.field(static=True)  # kernels.select's, or None
+    fast_gelu: Callable | None = eqx.field(static=True)  # fast_paths.select's, or None
 
     def __init__(self, cfg: Config, fast: dict[str, Callable]):
         self.up = jnp.zeros((cfg.d_model, cfg.mlp_width))
         self.down = jnp.zeros((cfg.mlp_width, cfg.d_model))
         self.dtype, self.fast_gelu = cfg.compute_dtype, fast.get("gelu")
 
+    @jax.named_scope("mlp")
     def __call__(self, x_TD: Array) -> Array:
         h_TF = jnp.einsum("TD,DF->TF", x_TD, self.up.astype(self.dtype))
         h_TF = tap("mlp_hidden", (self.fast_gelu or gelu)(h_TF))
@@ -222,6 +224,7 @@ class Block(eqx.Module):
         self.attn, self.mlp = Attention(cfg, fast), MLP(cfg, fast)
         self.branch_mult, self.dropout_rate = 1 / cfg.depth_mult, cfg.dropout
 
+    @jax.named_scope("block")
     def __call__(self, xs_TD: tuple[Array, ...], at: Positions, cache: KVCache | None = None,
                  key: Array | None = None) -> tuple[Array, KVCache | None]:
         """xs_TD: the residual stream (x,), or MUDD's streams for the queries, (keys,) values and
@@ -253,6 +256,7 @@ class Connections(eqx.Module):
         self.w1, self.w2 = jnp.zeros((cfg.d_model, C * J)), jnp.zeros((C * J, C * J))
         self.b = jnp.zeros((C, J))
 
+    @jax.named_scope("mudd")
     def __call__(self, states_JTD: list[Array]) -> tuple[Array, ...]:
         (C, J), x_TD = self.b.shape, states_JTD[-1]
         h_TM = gelu(jnp.einsum("TD,DM->TM", rms_norm(x_TD, None), self.w1.astype(x_TD.dtype)))
@@ -291,7 +295,7 @@ class GPT(eqx.Module):
 
     def __init__(self, cfg: Config, fast: dict[str, Callable] | None = None):
         """The structure and static fields; the arrays are placeholders that init_gpt draws anew.
-        fast: kernels.select's checked kernels (none: model.py's functions alone)."""
+        fast: fast_paths.select's checked kernels (none: model.py's functions alone)."""
         V, D = cfg.model_vocab, cfg.d_model
         self.emb = Embeddings(embed=jnp.zeros((V, D)), unembed=jnp.zeros((V, D)))
         if cfg.tie_embeddings:
@@ -346,9 +350,11 @@ class GPT(eqx.Module):
             xs_TD = connect(states)
         return xs_TD[0], None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
 
+    @jax.named_scope("embed")
     def embed(self, tokens_T: Int[Array, "T"]) -> Array:
         return tap("embed", self.alpha_in * self.embeddings().embed[tokens_T].astype(self.dtype))
 
+    @jax.named_scope("readout")
     def logits(self, x_TD: Array) -> Float[Array, "T V"]:
         """The final norm and the readout, in float32."""
         h_TD = rms_norm(x_TD, self.final_norm)

@@ -80,3 +80,19 @@ if __name__ == "__main__":  # who imports whom, for a reader (or a closing note)
     sys.path.insert(0, str(ROOT))
     for name, deps in sorted(graph().items()):
         print(f"{name}: {', '.join(sorted(deps)) or '-'}")
+
+
+def test_a_profile_groups_its_ops_by_part_of_the_layer():
+    """jax.named_scope on each module's forward: the compiled step's ops carry the part they
+    belong to in their names, which bench.py --trace and a profiler group by."""
+    import jax
+    import jax.numpy as jnp
+
+    import params
+    from conftest import tiny
+
+    cfg = tiny(connections="mudd")
+    gpt = params.init_gpt(cfg, jax.random.key(0))
+    hlo = jax.jit(gpt.__call__).lower(jnp.arange(16) % 60).compile().as_text()
+    for part in ("embed", "block", "attn", "mlp", "mudd", "readout"):
+        assert f"/{part}/" in hlo, part

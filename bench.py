@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import configs
-import launch
+from run.devices import default_memory_fraction
 from configs import Config
 from run.errors import RunError, UsageError
 
@@ -258,7 +258,7 @@ def main() -> None:
                     help="train instead; the wall time to the first val loss <= LOSS")
     ap.add_argument("--rundir", help="with --time-to: the run directory (default: a new one)")
     args, overrides = ap.parse_known_args()
-    launch.default_memory_fraction()  # before jax starts, as a training run
+    default_memory_fraction()  # before jax starts, as a training run
     try:
         if args.steps < 1:
             raise UsageError(f"--steps={args.steps} must be at least 1")

@@ -16,19 +16,11 @@ from etils import epath
 
 import configs
 from configs import apply_overrides
+from run.devices import default_memory_fraction
 from run.errors import RunError, UsageError
 from run.rundir import open_rundir, resume_config
 
 MULTIHOST = ("coordinator_address", "num_processes", "process_id")  # jax.distributed's arguments
-# JAX preallocates 75% of a GPU's memory; the 1.5B unrolled step needs about 58 GiB, at that cap
-# on an 80 GiB H100 (BENCHMARKS.md). 0.9 leaves the rest to the CUDA context and cuDNN/cuBLAS
-# workspaces outside XLA's pool. Only a GPU's allocator reads it; a value the user set wins.
-GPU_MEMORY_FRACTION = "0.9"
-
-
-def default_memory_fraction() -> None:
-    """Before jax's GPU backend starts (it reads the variable then): bench.py calls it too."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
 
 
 def parse_args(argv: list[str]):

@@ -1,7 +1,7 @@
 """Export a run to a Hugging Face model directory:
-    python export.py --rundir=RUN --out=DIR [--step=N] [--force]
+    python export.py --rundir=RUN --out=DIR [--step=N] [--force] [--dtype=float32|bfloat16|float16]
 
-DIR gets model.safetensors (float32), config.json (with an auto_map to our own PyTorch modeling
+DIR gets model.safetensors (in --dtype), config.json (with an auto_map to our own PyTorch modeling
 file, hf/modeling_mugpt.py, copied beside it), and the tokenizer's files, so that
 
     AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)
@@ -11,16 +11,26 @@ config.json (not folded into the weights: that would untie tied embeddings), and
 architecture variants (docs/variants.md, any combination). The model's padded vocabulary rows
 are not exported: the logits are the tokenizer's vocabulary, so generate never emits a padding
 id. Any checkpoint (sharded over N devices or not) is read on one CPU device.
-Needs requirements-export.txt (torch, transformers, safetensors)."""
+
+Before it writes, export runs the PyTorch model it is about to write beside model.py's forward
+(float32, on the same tokens) and refuses in one line when they differ, naming every array of
+model.py's GPT that no exported tensor carries: an edit of model.py that hf/modeling_mugpt.py does
+not follow is never exported as a model that silently computes something else. DIR is written
+beside itself and renamed into place at the end (--force replaces it whole): an interrupted export
+leaves no half-written DIR. Needs requirements-export.txt (torch, transformers, safetensors)."""
 import argparse
+import dataclasses
+import os
 import shutil
 import sys
 from pathlib import Path
 
 import equinox as eqx
+import jax
 import numpy as np
 from etils import epath
 
+import model as definition
 from run import reading
 from text import tokenization
 from configs import Config
@@ -32,6 +42,11 @@ ROOT = Path(__file__).resolve().parent
 # that silently computes something else
 SUPPORTED = {"attention": ("mha", "sharedkv"), "position": ("rope", "alibi"),
              "connections": ("residual", "mudd")}
+DTYPES = ("float32", "bfloat16", "float16")
+# The self-check's bound on |PyTorch - JAX| logits, relative to the largest logit (at least 1):
+# float32 rounding (eps 1.2e-7) through the blocks stays orders of magnitude below it, while the
+# edits of issue 40 that export missed moved logits by 0.3 to 1.4.
+RTOL = 1e-4
 
 
 def check_exportable(cfg: Config) -> None:
@@ -41,7 +56,7 @@ def check_exportable(cfg: Config) -> None:
                              f"hf/modeling_mugpt.py implements {field} in {values} only")
 
 
-def hf_config(cfg: Config, n_vocab: int, tokenizer) -> dict:
+def hf_config(cfg: Config, n_vocab: int, tokenizer, dtype: str = "float32") -> dict:
     """hf/configuration_mugpt.py's fields, from the run's config."""
     return dict(
         vocab_size=n_vocab, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layer,
@@ -50,7 +65,7 @@ def hf_config(cfg: Config, n_vocab: int, tokenizer) -> dict:
         rope_base=cfg.rope_base, norm_gain=cfg.norm_gain, tie_embeddings=cfg.tie_embeddings,
         attn_scale=cfg.attn_scale, branch_mult=1 / cfg.depth_mult, alpha_in=cfg.alpha_in,
         readout_mult=cfg.alpha_out / cfg.width_mult, attention=cfg.attention,
-        position=cfg.position, connections=cfg.connections, torch_dtype="float32",
+        position=cfg.position, connections=cfg.connections, dtype=dtype,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         architectures=["MuGPTForCausalLM"],
@@ -58,36 +73,42 @@ def hf_config(cfg: Config, n_vocab: int, tokenizer) -> dict:
                   "AutoModelForCausalLM": "modeling_mugpt.MuGPTForCausalLM"})
 
 
-def state_dict(model, n_vocab: int) -> dict[str, np.ndarray]:
+def state_dict(model, n_vocab: int) -> tuple[dict[str, np.ndarray], set[int]]:
     """model.py's arrays under hf/modeling_mugpt.py's names, (out, in) as torch's Linear stores
-    them. qkv (L, D, N, K) flattens to (L, D, NK): q heads, then key heads (none with SharedKV),
-    then value heads, the order modeling_mugpt.py splits them in."""
+    them, and the ids of the arrays it read (self_check names the others). qkv (L, D, N, K)
+    flattens to (L, D, NK): q heads, then key heads (none with SharedKV), then value heads, the
+    order modeling_mugpt.py splits them in."""
+    read = set()
+
+    def a(x):  # every array of the model is read through here, whole
+        read.add(id(x))
+        return np.asarray(x, np.float32)
+
     emb, b = model.embeddings(), model.blocks
     L, D = b.attn.qkv.shape[0], emb.embed.shape[1]
-    a = lambda x: np.asarray(x, np.float32)  # noqa: E731
-    out = {"embed.weight": a(emb.embed[:n_vocab])}
+    out = {"embed.weight": a(emb.embed)[:n_vocab]}
     if not isinstance(model.emb, eqx.nn.Shared):  # tied: the embedding is the readout
-        out["unembed"] = a(emb.unembed[:n_vocab])
+        out["unembed"] = a(emb.unembed)[:n_vocab]
     if model.final_norm is not None:
         out["final_norm"] = a(model.final_norm)
-    for i in range(L):  # .T: (in, out) -> (out, in)
-        out |= {f"blocks.{i}.attn.qkv.weight": a(b.attn.qkv[i].reshape(D, -1)).T,
-                f"blocks.{i}.attn.out.weight": a(b.attn.out[i].reshape(-1, D)).T,
-                f"blocks.{i}.attn.q_norm": a(b.attn.q_norm[i]),
-                f"blocks.{i}.attn.k_norm": a(b.attn.k_norm[i]),
-                f"blocks.{i}.up.weight": a(b.mlp.up[i]).T,
-                f"blocks.{i}.down.weight": a(b.mlp.down[i]).T}
-        if b.attn_norm is not None:
-            out[f"blocks.{i}.attn_norm"] = a(b.attn_norm[i])
-            out[f"blocks.{i}.mlp_norm"] = a(b.mlp_norm[i])
+    T = lambda x: x.transpose(0, 2, 1)  # noqa: E731  (L, in, out) -> (L, out, in)
+    layers = {"attn.qkv.weight": T(a(b.attn.qkv).reshape(L, D, -1)),
+              "attn.out.weight": T(a(b.attn.out).reshape(L, -1, D)),
+              "attn.q_norm": a(b.attn.q_norm), "attn.k_norm": a(b.attn.k_norm),
+              "up.weight": T(a(b.mlp.up)), "down.weight": T(a(b.mlp.down))}
+    if b.attn_norm is not None:
+        layers |= {"attn_norm": a(b.attn_norm), "mlp_norm": a(b.mlp_norm)}
+    out |= {f"blocks.{i}.{name}": w[i] for name, w in layers.items() for i in range(L)}
     for i, c in enumerate(model.mudd or ()):  # MUDD's Connections, one per block
         out |= {f"mudd.{i}.w1.weight": a(c.w1).T, f"mudd.{i}.w2.weight": a(c.w2).T,
                 f"mudd.{i}.b": a(c.b)}
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}, read
 
 
 def hf_tokenizer(meta: dict):
-    """The dataset's tokenizer (meta.json's record) as a transformers fast tokenizer."""
+    """The dataset's tokenizer (meta.json's record) as a transformers fast tokenizer. Special
+    tokens written in a text are split as ordinary text (split_special_tokens), as
+    text/tokenization.py encodes them for training, sample.py and eval.py: one tokenization."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
@@ -99,11 +120,13 @@ def hf_tokenizer(meta: dict):
         # No end-of-text character: lm-eval needs a prefix for an empty context (bos) and pads
         # batches (never read: any id does); the first character (a newline) serves for both.
         first = tok["chars"][0]
-        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=first, pad_token=first)
+        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=first, pad_token=first,
+                                       split_special_tokens=True)
     if tok["kind"] == "hf":
         core = Tokenizer.from_str(tok["json"])
         eos = core.id_to_token(tok["eos"])
-        return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=eos)
+        return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=eos,
+                                       split_special_tokens=True)
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     enc = tokenization.encoding(tok["encoding"])
@@ -113,37 +136,111 @@ def hf_tokenizer(meta: dict):
     eos = enc.decode([enc.eot_token])
     core.add_special_tokens([eos])
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, bos_token=eos,
-                                   pad_token=eos)
+                                   pad_token=eos, split_special_tokens=True)
 
 
-def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool = False) -> int:
+def check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out={out} is a file: export writes a folder, name another --out")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UsageError(f"--out={out} exists and is not empty: pass --force to replace it")
+
+
+def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool = False,
+           dtype: str = "float32") -> int:
     """Write the HF directory; returns the checkpoint's step. Bad input: UsageError."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise UsageError(f"--out={out} exists and is not empty: pass --force to overwrite it")
+    check_out(out, force)
     cfg = reading.read_config(rundir)
     check_exportable(cfg)
     meta = reading.read_dataset_record(rundir, cfg)
     model, step = reading.restore_model(rundir, cfg, step)
-    write(model, cfg, meta, out)
+    write(model, cfg, meta, out, dtype)
     return step
 
 
-def write(model, cfg: Config, meta: dict, out: Path) -> None:
-    """The HF directory of a model.py GPT with its config and dataset record (meta.json's)."""
-    import safetensors.numpy
+def float32(model, cfg: Config):
+    """The same arrays in a GPT that computes in float32 (the self-check's reference)."""
+    skeleton = eqx.filter_eval_shape(definition.GPT, dataclasses.replace(cfg,
+                                                                         compute_dtype="float32"))
+    return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
+
+
+def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: dict) -> None:
+    """Refuses (UsageError, one line) unless hf/modeling_mugpt.py's model with these weights, in
+    float32, computes model.py's logits on a full block and a short sequence, and every array of
+    the model is carried by an exported tensor."""
+    import torch
+    from hf.configuration_mugpt import MuGPTConfig
+    from hf.modeling_mugpt import MuGPTForCausalLM
+
+    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
+    missing = [jax.tree_util.keystr(path)[1:] for path, x in leaves if id(x) not in read]
+    V, block_size = config["vocab_size"], config["max_position_embeddings"]
+    rng = np.random.default_rng(0)
+    try:
+        torch_model = MuGPTForCausalLM(MuGPTConfig(**{**config, "dtype": "float32"})).eval()
+        torch_model.load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
+        # a new function: jit's cache, keyed by it, must not give back the trace of model.py
+        # before an edit made in this process (the tests')
+        worst, scale, forward = 0.0, 1.0, eqx.filter_jit(lambda gpt, ids_T: gpt(ids_T))
+        for T in (block_size, max(1, block_size // 4)):
+            ids_T = rng.integers(0, V, T)
+            # "highest": float32 matmuls on an accelerator too (TF32 would exceed RTOL)
+            with jax.default_matmul_precision("highest"):
+                want_TV = np.asarray(forward(model, ids_T))[:, :V]
+            with torch.no_grad():
+                got_TV = torch_model(torch.from_numpy(ids_T)[None]).logits[0].numpy()
+            worst = max(worst, float(np.abs(got_TV - want_TV).max()))
+            scale = max(scale, float(np.abs(want_TV).max()))
+        differs = f"max |PyTorch - JAX| logit {worst:.3g} (bound {RTOL * scale:.2g})"
+        ok = worst <= RTOL * scale
+    except Exception as e:  # the modeling file cannot even take these weights or run
+        differs, ok = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}", False
+    if not ok or missing:
+        carried = f"; model.py arrays no exported tensor carries: {', '.join(missing)}"
+        raise UsageError("hf/modeling_mugpt.py with the converted weights does not follow "
+                         f"model.py: {differs}{carried if missing else ''}; edit "
+                         "hf/modeling_mugpt.py (and export.py's state_dict) to follow model.py; "
+                         "nothing was written")
+
+
+def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> None:
+    """The HF directory of a model.py GPT with its config and dataset record (meta.json's), after
+    self_check; out, if there, is replaced whole."""
+    import safetensors.torch
+    import torch
     from hf.configuration_mugpt import MuGPTConfig
 
     tokenizer = hf_tokenizer(meta)
-    if out.exists() and not out.is_dir():
-        out.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    weights = state_dict(model, meta["vocab_size"])
-    safetensors.numpy.save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    MuGPTConfig(**hf_config(cfg, meta["vocab_size"], tokenizer)).save_pretrained(out)
-    for name in ("configuration_mugpt.py", "modeling_mugpt.py"):
-        shutil.copy(ROOT / "hf" / name, out / name)
-    tokenizer.model_max_length = cfg.block_size
-    tokenizer.save_pretrained(out)
+    config = hf_config(cfg, meta["vocab_size"], tokenizer, dtype)
+    try:
+        weights, read = state_dict(model, meta["vocab_size"])
+    except (AttributeError, TypeError, ValueError) as e:  # a renamed or reshaped array
+        raise UsageError(f"export.py's state_dict cannot read model.py's GPT ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:200]}): edit it and hf/modeling_mugpt.py to "
+                         "follow model.py; nothing was written") from None
+    self_check(float32(model, cfg), weights, read, config)
+    # written beside out and renamed into place: a killed export leaves no half of one at out
+    tmp, old = (out.parent / f".{out.name}.{what}-{os.getpid()}" for what in ("export", "old"))
+    for stale in (tmp, old):  # a killed export's, of the same process id
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tensors = {k: torch.tensor(v).to(getattr(torch, dtype)) for k, v in weights.items()}
+        safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        MuGPTConfig(**config).save_pretrained(tmp)
+        for name in ("configuration_mugpt.py", "modeling_mugpt.py"):
+            shutil.copy(ROOT / "hf" / name, tmp / name)
+        tokenizer.model_max_length = cfg.block_size
+        tokenizer.save_pretrained(tmp)
+        if out.exists():  # moved aside, not merged into: no file of the old export survives
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # an interrupted write's, if any
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,13 +249,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rundir", required=True, help="a run directory written by launch.py")
     ap.add_argument("--out", required=True, help="the Hugging Face model directory to write")
     ap.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
-    ap.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    ap.add_argument("--force", action="store_true", help="replace a non-empty --out whole")
+    ap.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="the saved weights' dtype (the self-check runs in float32 before)")
     args = ap.parse_args(argv)
     try:
-        step = export(epath.Path(args.rundir), Path(args.out), args.step, args.force)
+        step = export(epath.Path(args.rundir), Path(args.out), args.step, args.force, args.dtype)
     except UsageError as e:
         sys.exit(f"error: {e}")
-    print(f"{args.out}: step {step} of {args.rundir}; load it with "
+    print(f"{args.out}: step {step} of {args.rundir} in {args.dtype}; load it with "
           f"AutoModelForCausalLM.from_pretrained({args.out!r}, trust_remote_code=True)")
 
 

@@ -28,9 +28,10 @@ CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "
 
 
 def rms_norm(x, gain=None):
-    """model.rms_norm: float32, eps 1e-6 inside the root; gains only with norm_gain."""
+    """model.rms_norm: in float32, eps 1e-6 inside the root, gains only with norm_gain; returned
+    in x's dtype (bfloat16 and float16 exports run their matmuls in it)."""
     y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-    return y if gain is None else y * gain
+    return (y if gain is None else y * gain).to(x.dtype)
 
 
 def layer_norm(x, gain):
@@ -94,19 +95,21 @@ class Attention(nn.Module):
         q, k = layer_norm(q, self.q_norm), layer_norm(k, self.k_norm)
         if self.rope_base is not None:
             q, k = rope(q, pos_BT, self.rope_base), rope(k, pos_BT, self.rope_base)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # model.qk_norm_rope: float32 inside, out as the input
         if cache is not None:
             k, v = cache.update(k, v, self.layer)  # (B, G, S, K): the past and these
         # grouped-query attention (Ainslie et al. 2023): query head h reads head h // (H / G)
         k = k.repeat_interleave(self.H // self.G, dim=1)
         v = v.repeat_interleave(self.H // self.G, dim=1)
-        logits_BHTS = self.scale * q @ k.transpose(-1, -2)
+        # model.attend: the logits in float32 (its einsum's preferred_element_type)
+        logits_BHTS = self.scale * (q.float() @ k.float().transpose(-1, -2))
         if self.rope_base is None:  # ALiBi: -m_h (i - j), after the logit scale as model.py
             index_S = torch.arange(k.shape[2], device=k.device)
             slopes_H = alibi_slopes(self.H).to(k.device)
             bias_HTS = -slopes_H[:, None, None] * (index_T[:, None] - index_S[None, :])
             logits_BHTS = logits_BHTS + bias_HTS
         logits_BHTS = logits_BHTS.masked_fill(~mask_BTS[:, None], torch.finfo(torch.float32).min)
-        o_BHTK = logits_BHTS.softmax(-1) @ v
+        o_BHTK = logits_BHTS.softmax(-1).to(v.dtype) @ v
         return self.out(o_BHTK.transpose(1, 2).reshape(B, T, self.H * self.K))
 
 
@@ -147,8 +150,9 @@ class Connections(nn.Module):
     def forward(self, states):
         B, T, _ = states[-1].shape
         h = F.gelu(self.w1(rms_norm(states[-1])), approximate="tanh")
-        a_BTCJ = self.w2(h).view(B, T, self.C, self.J) + self.b
-        a_BTCJ = a_BTCJ + F.one_hot(torch.tensor(self.J - 1), self.J).to(a_BTCJ.dtype)
+        # model.Connections: b and the one-hot added in float32, then back to the streams' dtype
+        a_BTCJ = self.w2(h).view(B, T, self.C, self.J).float() + self.b.float()
+        a_BTCJ = (a_BTCJ + F.one_hot(torch.tensor(self.J - 1), self.J)).to(h.dtype)
         return [sum(a_BTCJ[..., c, j, None] * x for j, x in enumerate(states))
                 for c in range(self.C)]
 
@@ -201,8 +205,10 @@ class MuGPTForCausalLM(PreTrainedModel, GenerationMixin):
                 states.append(x_BTD)
                 xs_BTD = self.mudd[i](states)
         unembed = self.embed.weight if self.unembed is None else self.unembed
-        logits = self.config.readout_mult * (rms_norm(xs_BTD[0], self.final_norm) @ unembed.T)
+        # model.GPT.logits: the readout's matmul in the weights' dtype, the multiplier in float32
+        h_BTD = rms_norm(xs_BTD[0], self.final_norm)
+        logits = self.config.readout_mult * (h_BTD @ unembed.T).float()
         loss = None
         if labels is not None:  # next-token cross-entropy, as train.loss_fn
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
-        return CausalLMOutputWithPast(loss=loss, logits=logits.float(), **{CACHE: cache})
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE: cache})

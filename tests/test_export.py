@@ -1,11 +1,13 @@
 """export.py: the exported PyTorch model (loaded by transformers itself) against the JAX model.
 Runs are trained by launch.py in subprocesses (one of them on 4 simulated devices, FSDP-sharded)
 and exported here on one CPU device; the architecture variants are random models written by
-export.write."""
+export.write. Edits of model.py made here (monkeypatched) must make export refuse in one line."""
 import dataclasses
+import shutil
 import string
 import types
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 from etils import epath
 
 import export
+import model as definition
 from inference import decode
 from run import reading
 from conftest import TINY_RUN, run, tiny
@@ -120,15 +123,30 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_gpt2_tokenizer_export_encodes_as_tiktoken():
-    """The exported GPT-2 tokenizer (built from tiktoken's own ranks) against tiktoken."""
+def test_gpt2_tokenizer_export_encodes_as_tiktoken(tmp_path):
+    """The exported GPT-2 tokenizer (built from tiktoken's own ranks) against tiktoken, and one
+    tokenization of special-token text: "<|endoftext|>" written in a text is the ordinary text
+    it is made of for data.py, sample.py and eval.py (text/tokenization.py) and for the export,
+    with tiktoken's record and with a tokenizer.json that has it as a special token."""
     from text import tokenization
 
-    hf_tok = export.hf_tokenizer({"tokenizer": {"kind": "tiktoken", "encoding": "gpt2"}})
+    record = {"kind": "tiktoken", "encoding": "gpt2"}
+    hf_tok = export.hf_tokenizer({"tokenizer": record})
     enc = tokenization.encoding("gpt2")
     text = "Hello world!  It's <|endoftext|> 12345 déjà vu\n\n  spaces"
-    assert hf_tok(text)["input_ids"] == enc.encode(text, allowed_special="all")
+    ordinary = enc.encode_ordinary(text)
+    assert enc.eot_token not in ordinary and ordinary != enc.encode(text, allowed_special="all")
+    assert hf_tok(text)["input_ids"] == ordinary == tokenization.load(record)[0](text)
     assert hf_tok.eos_token_id == enc.eot_token and hf_tok.decode(hf_tok(text)["input_ids"]) == text
+    hf_tok.save_pretrained(tmp_path / "tiktoken")  # as export writes it and transformers reads it
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "tiktoken")
+    assert saved(text)["input_ids"] == ordinary
+    # a tokenizers tokenizer.json whose "<|endoftext|>" is a special token (data.py --tokenizer=)
+    hf_tok.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    record, _, for_documents = tokenization.for_documents(str(tmp_path / "tokenizer.json"))
+    assert for_documents(text) == ordinary + [enc.eot_token]  # the separator: data.py's alone
+    assert tokenization.load(record)[0](text) == ordinary
+    assert export.hf_tokenizer({"tokenizer": record})(text)["input_ids"] == ordinary
 
 
 # one character per id: the variants' tests feed ids, the tokenizer only has to be writable
@@ -188,3 +206,121 @@ def test_left_padded_batch_generates_as_each_prompt_alone(name, tmp_path):
         mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
         batch = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)[:, -n:]
     assert [b.tolist() for b in batch] == [a.tolist() for a in alone]
+
+
+# ---------------------------------------------------------------------------------------------
+# The self-check: research edits of model.py that hf/modeling_mugpt.py does not follow
+
+
+def parallel_block(self, xs_TD, at, cache=None):
+    """GPT-J's parallel block: attention and MLP read the same input (a block computed
+    differently)."""
+    (x_TD,) = xs_TD
+    attn_TD, cache = self.attn((definition.rms_norm(x_TD, self.attn_norm),), at, cache)
+    mlp_TD = self.mlp(definition.rms_norm(x_TD, self.mlp_norm))
+    return x_TD + self.branch_mult * (attn_TD + mlp_TD), cache
+
+
+def local_attend(q_THK, k_SGK, v_SGK, scale, mask_TS=None, bias_HTS=None, attend=definition.attend):
+    """A sliding window of 4 keys (a changed attention mask)."""
+    T, S = q_THK.shape[0], k_SGK.shape[0]
+    i, j = jnp.arange(T)[:, None] + S - T, jnp.arange(S)[None]
+    return attend(q_THK, k_SGK, v_SGK, scale, (j <= i) & (j > i - 4), bias_HTS)
+
+
+class BiasMLP(definition.MLP):
+    """The MLP with an output bias (a new parameter)."""
+    bias: jax.Array
+
+    def __init__(self, cfg, fast):
+        super().__init__(cfg, fast)
+        self.bias = jnp.zeros(cfg.d_model)
+
+    def __call__(self, x_TD):
+        return super().__call__(x_TD) + self.bias
+
+
+def assert_refused(message: str, out, *names: str) -> None:
+    """export's refusal: one line naming the logit difference, the file to edit and names."""
+    assert message.startswith("error: ") and "\n" not in message, message
+    for part in ("max |PyTorch - JAX| logit", "edit hf/modeling_mugpt.py", *names):
+        assert part in message, message
+    assert not out.exists() and list(out.parent.iterdir()) == []  # no temporary folder either
+
+
+@pytest.mark.parametrize("edit", ["block", "mask"])
+def test_edited_trained_model_is_refused_in_one_line(runs, edit, tmp_path, monkeypatch):
+    if edit == "block":
+        monkeypatch.setattr(definition.Block, "__call__", parallel_block)
+    else:
+        monkeypatch.setattr(definition, "attend", local_attend)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        export.main([f"--rundir={runs['sp'][0]}", f"--out={out}"])
+    print(f"\n{edit}: {e.value.code}")
+    assert_refused(e.value.code, out)
+
+
+@pytest.mark.parametrize("bias", ["random", "zero"])
+def test_new_parameter_is_refused_and_named(bias, tmp_path, monkeypatch):
+    """A bias that export.py does not convert: named, even while it is zero (logits equal)."""
+    monkeypatch.setattr(definition, "MLP", BiasMLP)
+    cfg = tiny()
+    gpt = definition.GPT(cfg)
+    leaves, tree = jax.tree.flatten(gpt)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    gpt = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
+                                    for x, k in zip(leaves, keys)])
+    if bias == "zero":
+        gpt = eqx.tree_at(lambda g: g.blocks.mlp.bias, gpt, jnp.zeros_like(gpt.blocks.mlp.bias))
+    out = tmp_path / "out"
+    with pytest.raises(UsageError) as e:
+        export.write(gpt, cfg, CHARS, out)
+    print(f"\n{bias} bias: error: {e.value}")
+    assert_refused(f"error: {e.value}", out, "carries: blocks.mlp.bias;")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: atomic, --force replaces whole; half precision
+
+
+def test_out_is_replaced_whole_and_never_half_written(runs, tmp_path, monkeypatch):
+    rundir, hf_dir = runs["sp"]
+    (tmp_path / "file").write_text("mine")
+    with pytest.raises(UsageError, match="--out=.*file is a file: export writes a folder"):
+        export.export(epath.Path(rundir), tmp_path / "file", force=True)
+    assert (tmp_path / "file").read_text() == "mine"
+    out = tmp_path / "out"
+    shutil.copytree(hf_dir, out)
+    (out / "stale.txt").write_text("an older export's")
+    names = lambda d: sorted(p.name for p in d.iterdir()) if d.exists() else None  # noqa: E731
+    # an export that dies after writing its weights (as kill -9 would) leaves --out as it was
+    with monkeypatch.context() as m:
+        m.setattr(export.shutil, "copy", lambda *a: (_ for _ in ()).throw(OSError("killed")))
+        for target, force in ((tmp_path / "new", False), (out, True)):
+            before = names(target)
+            with pytest.raises(OSError, match="killed"):
+                export.export(epath.Path(rundir), target, force=force)
+            assert names(target) == before
+    export.export(epath.Path(rundir), out, force=True)
+    assert names(out) == names(hf_dir)  # the stale file went with the old export
+    assert names(tmp_path) == ["file", "out"]  # and no temporary folder stays
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_export_loads_and_generates_as_jax(runs, dtype, tmp_path):
+    """Weights saved in dtype, loaded by transformers in it (config.json's dtype): logits within
+    the dtype's rounding of the float32 JAX model's, greedy tokens equal on the trained model."""
+    rundir, _ = runs["sp"]
+    export.export(epath.Path(rundir), tmp_path / dtype, dtype=dtype)
+    model, cfg, hf, tokenizer = load(rundir, tmp_path / dtype)
+    assert {p.dtype for p in hf.parameters()} == {getattr(torch, dtype)}
+    ids = tokenizer(TEXT[:cfg.block_size])["input_ids"]
+    want_TV = np.asarray(model(jnp.asarray(ids)))[:, :65]
+    with torch.no_grad():
+        got_TV = hf(torch.tensor([ids])).logits[0].numpy()
+    diff, scale = np.abs(got_TV - want_TV).max(), np.abs(want_TV).max()
+    print(f"\n{dtype}: max |PyTorch - JAX| logit = {diff:.3g} (logits up to {scale:.3g})")
+    # a few roundings of the dtype's precision (bfloat16 8 bits, float16 11) of the logits' scale
+    assert diff <= 2 * scale * float(torch.finfo(getattr(torch, dtype)).eps)
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer("First")["input_ids"])

@@ -1,7 +1,12 @@
 """Tokenizers, as a dataset's meta.json records them ({"kind": ...}) so that train, sample, eval
 and export all use the dataset's own: "char" (shakespeare_char's characters), "tiktoken"
 (GPT-2's BPE) and "hf", any Hugging Face `tokenizers` tokenizer, its tokenizer.json kept whole
-in the record (a run directory's dataset.json then holds it, whatever happens to the file)."""
+in the record (a run directory's dataset.json then holds it, whatever happens to the file).
+
+Text is text: a special token written in it ("<|endoftext|>" inside a document) is encoded as
+the ordinary characters it is made of, by every kind (tiktoken's encode_ordinary, tokenizers'
+encode_special_tokens) and by export.py's tokenizer (split_special_tokens). Only data.py puts an
+end-of-text id between documents, so a document cannot end another one by what it says."""
 from pathlib import Path
 from typing import Callable
 
@@ -42,7 +47,14 @@ def for_documents(name: str) -> tuple[dict, int, Callable[[str], list[int]]]:
         raise UsageError(f"--tokenizer={name} has none of the end-of-text tokens {EOS_NAMES}: "
                          "add one, to separate the documents")
     record = {"kind": "hf", "name": name, "eos": vocab[eos], "json": tok.to_str()}
-    return record, tok.get_vocab_size(), lambda text: tok.encode(text).ids + [vocab[eos]]
+
+    def encode(text: str) -> list[int]:
+        # text is text (the docstring); set at each call: a pickled Tokenizer (datasets' worker
+        # processes get one) forgets it
+        tok.encode_special_tokens = True
+        return tok.encode(text).ids + [vocab[eos]]
+
+    return record, tok.get_vocab_size(), encode
 
 
 def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
@@ -60,6 +72,7 @@ def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(record["json"])
+        tok.encode_special_tokens = True  # text is text (the docstring)
         encode = lambda text: tok.encode(text, add_special_tokens=False).ids
         return encode, lambda ids: tok.decode(list(ids), skip_special_tokens=False)
     enc = encoding(record["encoding"])

@@ -20,7 +20,7 @@ import configs  # noqa: E402
 # model.py, before a long run, in under a minute on 2 cores: the model against its numpy reference,
 # causality, KV-cache decoding against the full forward, the loss and accumulation written out, a
 # train step on 1 and 2 devices, export's self-check, the house's rules. "file::test" (all its
-# parameters); the whole suite stays the CI command.
+# parameters) or "file::test[param]"; the whole suite stays the CI command.
 QUICK = {
     "test_model.py::test_forward_matches_numpy_reference",
     "test_model.py::test_causal",
@@ -29,6 +29,8 @@ QUICK = {
     "test_train.py::test_accumulation_equals_one_big_batch",
     "test_devices.py::test_one_step_on_two_devices_equals_one_device",
     "test_layout.py::test_no_folder_and_no_core_module_imports_a_command",
+    "test_export.py::test_variant_pytorch_logits_equal_jax_logits[all]",  # every variant at once
+    "test_export.py::test_new_parameter_is_refused_and_named[random]",
 }
 
 
@@ -37,9 +39,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    found = set()
     for item in items:
-        if f"{item.path.name}::{item.originalname}" in QUICK:
+        file = item.path.name
+        if names := {f"{file}::{item.originalname}", f"{file}::{item.name}"} & QUICK:
             item.add_marker(pytest.mark.quick)
+            found |= names
+    if config.getoption("markexpr") == "quick" and (lost := QUICK - found):  # a test renamed
+        raise pytest.UsageError(f"conftest.QUICK names tests that do not exist: {sorted(lost)}")
 
 
 # launch.py arguments for a tiny model on shakespeare_char, shared by the end-to-end runs. learning_rate

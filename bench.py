@@ -94,7 +94,7 @@ def time_torch(step, steps: int) -> float:
 
 
 def kernels_in(gpt) -> dict[str, str]:
-    """{model.py function: the kernels/fast_paths.py fast path that fast_paths.select chose for it here}."""
+    """{model.py function: the fast path (kernels/fast_paths.py) that select chose for it here}."""
     from kernels import fast_paths
 
     attn, mlp = gpt.blocks.attn, gpt.blocks.mlp
@@ -253,7 +253,7 @@ def main() -> None:
                     help="also trace 3 calls into DIR; print the costliest ops to stderr")
     ap.add_argument("--checkpoint", metavar="DIR",
                     help="also save the state as a checkpoint into DIR (a new directory) and time "
-                         "it, with the record of its files (run/written.py) and the check at restore")
+                         "it, with its files' record (run/written.py) and the check at restore")
     ap.add_argument("--time-to", type=float, metavar="LOSS",
                     help="train instead; the wall time to the first val loss <= LOSS")
     ap.add_argument("--rundir", help="with --time-to: the run directory (default: a new one)")

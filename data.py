@@ -83,7 +83,7 @@ def prepare_text(out: Path, source: str, text_field: str = "text",
                  val_fraction: float | None = None, tokenizer: str = "gpt2") -> None:
     """The tokens of a HF dataset id or local files (text/corpus.py), each document followed by the
     end-of-text id, split by shuffled documents as nanoGPT's prepare.py does. tokenizer:
-    text/tokenization.py's for_documents (GPT-2's BPE by tiktoken, a tokenizer.json, or a Hub id)."""
+    text/tokenization.py's for_documents (GPT-2's BPE by tiktoken, a tokenizer.json, a Hub id)."""
     if val_fraction is not None and not 0 < val_fraction < 1:
         raise UsageError(f"--val_fraction={val_fraction} is not between 0 and 1")
     record, vocab_size, encode = tokenization.for_documents(tokenizer)

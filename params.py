@@ -131,7 +131,8 @@ def policy_table(model: GPT, cfg: Config):
     rows, params = policy_rows(cfg), eqx.filter(model, is_param)
     names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     if missing := [name for name in names if name not in rows]:
-        raise UsageError(f"params.py: parameters without a row in policy_rows: {', '.join(missing)} "
+        raise UsageError(f"params.py: parameters without a row in policy_rows: "
+                         f"{', '.join(missing)} "
                          "(add each one's init std, LR multiplier, decay and sharding)")
 
     def row(path, x):
@@ -160,7 +161,8 @@ def partition_specs(table):
 def flops_per_token(model: GPT, T: int) -> float:
     """Model FLOPs per token, forward + backward, from the model's own arrays: 6N + 12·L·H·K·T
     (PaLM app. B). N: every matrix a token is multiplied by (the blocks' and the readout, not the
-    embedding lookup nor the gains); 12·L·H·K·T: attention's scores and their use, full T x T."""
+    embedding lookup nor the gains); 12·L·H·K·T: attention's scores and their use, full T x T
+    (bench.py also reports the causal half, as MaxText and llm.c count)."""
     arrays = jax.tree.leaves(eqx.filter(model.blocks, is_param))
     N = sum(math.prod(x.shape) for x in arrays if len(x.shape) >= 3)  # (L, ...) matrices
     N += math.prod(model.embeddings().unembed.shape)

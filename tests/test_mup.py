@@ -122,7 +122,7 @@ def test_first_adam_step_sizes_follow_mup(m):
 
 def coord_table(cfg, axis, sizes, steps, seeds=2):
     """Activation name -> mean |x|, shape (sizes, steps + 1), from mup.coord_check at each size."""
-    rows = [mup.coord_check(mup.resize(cfg, axis, size), steps, seeds) for size in sizes]
+    rows = [mup.coord_check(mup.resize(cfg, axis, size), steps, seeds)["x"] for size in sizes]
     return {name: np.array([row[name] for row in rows]) for name in rows[0]}
 
 
@@ -156,7 +156,7 @@ def test_coordinate_check_over_depth(shakespeare):
     worst, fitted = max_abs_slope(coord_table(cfg, "depth", depths, steps=4), depths, range(1, 5))
     assert worst <= 0.15, fitted
     ends = [depths[0], depths[-1]]  # the control needs only the ends for a slope: fewer compilations
-    rows = [mup.coord_check(mup.variant(mup.resize(cfg, "depth", L), "nodepth"), 4, 2) for L in ends]
+    rows = [mup.coord_check(mup.variant(mup.resize(cfg, "depth", L), "nodepth"), 4, 2)["x"] for L in ends]
     grows, fitted_off = max_abs_slope({k: np.array([r[k] for r in rows]) for k in rows[0]}, ends, range(1, 5))
     assert grows >= 0.4, fitted_off
 
@@ -201,26 +201,51 @@ EVIDENCE = sorted(p.parent.relative_to(ROOT) for p in (ROOT / "docs").rglob("evi
 
 @pytest.mark.parametrize("where", EVIDENCE, ids=map(str, EVIDENCE))
 def test_docs_mup_evidence_is_current(where):
-    """Each evidence.json under docs/ (docs/mup, and a variant's in docs/variants) holds the settings
-    (full resolved configs, sizes, steps, seeds, LRs) that its recorded `python mup.py evidence` command
-    would run now, a result for every size, and the README made from them: otherwise the evidence is
-    stale, and this names the fields that differ and the command that remakes it."""
+    """Each evidence.json under docs/ (docs/mup, and a variant's in docs/variants) holds the rules'
+    fingerprint (mup.rules: the policy rows, forward multipliers and LR schedule at a reference
+    shape) and the settings (full resolved configs, sizes, steps, seeds, LRs) that its recorded
+    `python mup.py evidence` command would run now, a result for every size, and the README made
+    from them: otherwise the evidence is stale, and this names what differs and the command that
+    remakes it. Evidence made before seeds (no "seeds" key) is checked against the settings that
+    code ran (one seed per sweep, coordinate checks at the training LR from a zero readout, seeds
+    sharing batches), and its README must say plainly that it has one seed per LR and no spread."""
     doc = json.loads((ROOT / where / "evidence.json").read_text())
-    command = " ".join(["python mup.py evidence", f"--out={where}", f"--config={doc['config_name']}",
-                        *doc["overrides"]])
+    preset = doc.get("preset", "cpu")
+    command = " ".join(["python mup.py evidence", f"--out={where}", f"--preset={preset}",
+                        f"--config={doc['config_name']}", *doc["overrides"]])
+    assert doc.get("rules") == mup.rules(), f"{where} is stale (a muP rule changed): {command}"
     # a Config field added after the evidence was made is its default there (as launch.py reads an
     # older run's config.json): a new option, off by default, does not change what was measured
     defaults = json.loads(json.dumps(dataclasses.asdict(configs.Config())))
     for part in doc["settings"].values():
         part["config"] = {**{k: v for k, v in defaults.items() if k not in part["config"]},
                           **part["config"]}
-    cfg = configs.apply_overrides(configs.load(doc["config_name"]), doc["overrides"])
-    now = mup.settings(dataclasses.replace(cfg, mesh_replica=1, kernels=False))
+    cfg = mup.evidence_config(doc["config_name"], preset, doc["overrides"])
+    now = mup.settings(cfg, preset, doc.get("seeds", mup.SEEDS))
+    if "seeds" not in doc:  # made before seeds: the settings of that code
+        for part, s in now.items():
+            s.update(seeds={"sweep": 1}.get(s["kind"], 3), lrs=s["lrs"] if s["kind"] != "coord"
+                     else [cfg.learning_rate])
+            for key in ("batches", "readout"):
+                s.pop(key, None)
+        assert "one seed per LR; no spread" in plots.readme(doc)
     stale = plots.differences(doc["settings"], now)
     assert not stale, f"{where} is stale ({', '.join(stale)} differ): {command}"
     missing = [(p, s) for p, v in now.items() for s in v["sizes"] if str(s) not in doc["results"].get(p, {})]
     assert not missing, f"{where} lacks {missing}: rerun {command} to finish it"
     assert (ROOT / where / "README.md").read_text() == plots.readme(doc)
+
+
+def test_a_changed_rule_changes_the_fingerprint(monkeypatch):
+    """mup.rules sees a rule changed in params.py (the hidden LR's 1/m removed): the staleness
+    test's comparison then fails (tools/mutate_mup.py --with_staleness shows it for every rule)."""
+    before = mup.rules()
+    rows = params.policy_rows
+    monkeypatch.setattr(params, "policy_rows", lambda cfg: {**rows(cfg), "blocks.mlp.up": dataclasses.replace(
+        rows(cfg)["blocks.mlp.up"], lr_mult=1.0)})
+    assert mup.rules()["rows"]["blocks.mlp.up"] != before["rows"]["blocks.mlp.up"]
+    monkeypatch.undo()
+    assert mup.rules() == before
 
 
 def test_staleness_names_the_differing_fields():
@@ -237,16 +262,17 @@ def test_staleness_names_the_differing_fields():
 def fake_measure(done, interrupt_at=None):
     """mup.measure's stand-in: results from the size; records (part, size). At interrupt_at it sends the
     process a Ctrl-C (SIGINT) and waits for it."""
-    def measure(s, size):
+    def measure(s, size, *_):
         if (s["kind"], size) == interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(60)
         done.append((s["kind"], size))
         if s["kind"] == "coord":
-            return {"q": [float(size) ** 0.5 * (t + 1) for t in range(s["steps"] + 1)]}
-        if s["kind"] == "sweep":
-            return [size * lr for lr in s["lrs"][:-1]] + [None]  # None: a diverged run
-        return {"train": [[3 - size / 1000 - t / 100 for t in range(s["steps"] // mup.EVERY)]] * s["seeds"],
+            return {k: {"q": [float(size) ** 0.5 * (t + 1) for t in range(s["steps"] + 1)]} for k in ("x", "dx")}
+        if s["kind"] == "sweep":  # None: a diverged run
+            return [[size * lr * (1 + i / 100) for lr in s["lrs"][:-1]] + [None] for i in range(s["seeds"])]
+        return {"train": [[3 - size / 1000 - t / 100 + i / 1e4 for t in range(s["steps"] // mup.EVERY)]
+                          for i in range(s["seeds"])],
                 "val": [3.0] * s["seeds"]}
     return measure
 
@@ -268,9 +294,10 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
     n = sum(len(s["sizes"]) for s in mup.settings(configs.load("shakespeare_char_cpu")).values())
     assert len(done) == n
     whole = json.loads((tmp_path / "whole" / "evidence.json").read_text())
-    assert whole["results"]["lr_width"]["64"][-1] is None
+    assert whole["results"]["lr_width"]["64"][0][-1] is None
     readme = (tmp_path / "whole" / "README.md").read_text()
-    assert "| 64 | 0.00 (0.00025), loss 0.016 | 0.00 (0.00025), loss 0.016 |" in readme and "Wider is better at every" in readme
+    assert "| 64 | 0.00 ± 0.00 (0.00025), loss 0.016 ± 0.000 | 0.00 ± 0.00 (0.00025), loss 0.016 ± 0.000 |" in readme
+    assert "Wider is never worse beyond 1 sd at any logged step after warmup; better beyond 1 sd at every" in readme
 
     out, done[:] = tmp_path / "resumed", []
     result = run(["-c", INTERRUPTED, *args, f"--out={out}"], timeout=300)

@@ -86,7 +86,7 @@ PRESETS = {
                              "--config.batch_size=32", "--config.compute_dtype=bfloat16"],
                   lrs_per_program=2),
     "tiny": Preset(scales={("coord", "width"): [0.5, 1], ("coord", "depth"): [0.5, 1],
-                           ("sweep", "width"): [0.5, 1, 2], ("sweep", "depth"): [0.5, 1],
+                           ("sweep", "width"): [1, 2], ("sweep", "depth"): [0.5, 1],
                            ("curves", "width"): [0.5, 1]},
                    steps={"coord": 2, "sweep": 4, "curves": 20}, lr_factors=[0.5, 1.0, 2.0],
                    overrides=["--config.d_model=32", "--config.n_head=2", "--config.d_base=32",
@@ -152,7 +152,8 @@ def init(cfg: Config, key: jax.Array, readout: float | None = None) -> M.GPT:
     if not readout or cfg.tie_embeddings:
         return gpt
     z = jax.random.normal(jax.random.fold_in(key, 1), gpt.emb.unembed.shape)
-    return eqx.tree_at(lambda g: g.emb.unembed, gpt, readout * z / (cfg.d_model / cfg.width_mult)**0.5)
+    std = readout / (cfg.d_model / cfg.width_mult) ** 0.5
+    return eqx.tree_at(lambda g: g.emb.unembed, gpt, std * z)
 
 
 def one_device_mesh() -> jax.sharding.Mesh:

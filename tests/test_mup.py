@@ -161,6 +161,30 @@ def test_coordinate_check_over_depth(shakespeare):
     assert grows >= 0.4, fitted_off
 
 
+def test_coordinate_check_reads_x_t_and_x_t_minus_x_0(shakespeare):
+    """mup.coord_check's mean |x_t| and mean |x_t - x_0| (microsoft/mup's two measures) of the logits and
+    the embedding, against the model run directly, without taps, from the same initial model and one step
+    of the same batch at m = 2. Its readout (readout=1) starts N(0, 1 / d_base), not zero: step 1 then
+    moves the activations inside the model too."""
+    import data
+    cfg = mup_tiny(dataset="shakespeare_char", d_base=32, learning_rate=8e-3, min_lr=8e-3, warmup_steps=0,
+                   max_steps=1)
+    got = mup.coord_check(cfg, 1, 1, readout=1.0)
+    x, y = data.get_batch(data.load_split(cfg, "train"), cfg.seed, data.TRAIN, 0, cfg.batch_size, cfg.block_size)
+    gpt = mup.init(cfg, jax.random.key(cfg.seed), readout=1.0)
+    assert np.std(gpt.emb.unembed) == pytest.approx(1 / math.sqrt(32), rel=0.05)
+    s = train.setup(cfg, mup.one_device_mesh())
+    opt_state = train.make_optimizer(cfg, params.policy_table(gpt, cfg)).init(eqx.filter(gpt, eqx.is_array))
+    outputs = lambda g: (np.asarray(jax.vmap(g)(x)), np.asarray(jax.vmap(g.embed)(x)))
+    before = outputs(gpt)
+    after = outputs(s.step(gpt, opt_state, x[None], y[None])[0])  # donates gpt's arrays: before holds copies
+    for name, b, a in zip(("logits", "embed"), before, after):
+        np.testing.assert_allclose(got["x"][name], [np.abs(b).mean(), np.abs(a).mean()], rtol=1e-5)
+        np.testing.assert_allclose(got["dx"][name], [0.0, np.abs(a - b).mean()], rtol=1e-4)
+        assert got["dx"][name][1] > 0
+    assert got["dx"]["mlp_out"][1] > 0  # not only the readout moved
+
+
 def lr_sweep(cfg, lrs, steps):
     """The validation loss after `steps` steps at each LR, from one initial model."""
     return mup.train_runs(cfg, lrs, 1, steps)[1][:, 0]
@@ -323,13 +347,32 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
         assert {f: f.read_bytes() for f in where.iterdir()} == before
 
 
+def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path, monkeypatch):
+    """`python mup.py evidence --preset=tiny`, the parts over width (the real training at toy sizes, 3
+    seeds): the CPU dry run of what --preset=gpu runs on a device, through the same code. Its files hold
+    every size and seed, and the README states only claims its numbers pass."""
+    monkeypatch.setattr(mup, "PARTS", {p: mup.PARTS[p] for p in ("coord_width", "lr_width", "lr_width_sp", "curves")})
+    start = time.time()
+    mup.main(["evidence", "--preset=tiny", f"--out={tmp_path}"])
+    print(f"tiny preset, width parts: {time.time() - start:.0f} s")
+    doc = json.loads((tmp_path / "evidence.json").read_text())
+    assert doc["seeds"] == 3 and doc["preset"] == "tiny" and doc["rules"] == mup.rules()
+    assert all(len(seeds) == 3 and len(seeds[0]) == 3 for seeds in doc["results"]["lr_width"].values())
+    assert len(doc["results"]["curves"]["16"]["train"]) == 3
+    assert set(doc["results"]["coord_width"]["16"]) == {"x", "dx"}
+    readme = (tmp_path / "README.md").read_text()
+    assert "--preset=tiny" in readme and "Tuned at the base width 32 and trained at width 64" in readme
+    assert readme == plots.readme(doc) and "one seed per LR" not in readme
+
+
 @pytest.mark.parametrize("args, error", [(["--config.n_layers=2"], "unknown config field 'n_layers'; did you mean n_layer"),
                                          (["--config.n_head=3"], "width 64 is not a multiple of the head dim"),
                                          (["--out=TMP/FILE"], "--out=TMP/FILE cannot be written (File exists)"),
                                          (["--out=TMP/FILE/sub"], "--out=TMP/FILE/sub cannot be written"),
                                          (["--out=/proc/mugpt"], "--out=/proc/mugpt cannot be written"),
                                          (["--out="], "--out= cannot be written (empty)"),
-                                         (["--out=TMP/d"], "--out=TMP/d cannot be written (evidence.json is a directory)")])
+                                         (["--out=TMP/d"], "--out=TMP/d cannot be written (evidence.json is a directory)"),
+                                         (["--seeds=0"], "--seeds=0: at least 1")])
 def test_bad_evidence_arguments_are_one_line_errors_before_any_training(tmp_path, monkeypatch, args, error):
     """Each is refused before the first part trains (the whole takes most of an hour)."""
     def measure(*_):

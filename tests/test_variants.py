@@ -187,3 +187,25 @@ def test_flops_per_token_count_each_variants_matrices(name):
         N += D * C * J + (C * J) ** 2 + C * J * D
     gpt = eqx.filter_eval_shape(M.GPT, cfg)
     assert params.flops_per_token(gpt, T) == 6 * N + 12 * L * H * K * T
+
+
+def test_variants_command_dry_run_at_the_tiny_size(shakespeare, tmp_path):
+    """`python variants.py --size=tiny`: two variants, two seeds, 2 steps, through launch.py as the
+    real sizes run (gpu's too, on one device). Its report holds mean ± sd and each variant minus the
+    baseline with a 95% interval; the command it records names no machine path (--runs left out);
+    docs/variants.md is untouched (the default --out is under runs/)."""
+    import json
+    import time
+    docs = (ROOT / "docs" / "variants.md").read_bytes()
+    start = time.time()
+    r = run(["variants.py", "--size=tiny", "--steps=2", "--seeds=0,1", "--variants=baseline,sharedkv",
+             f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"], timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    print(f"variants.py --size=tiny dry run: {time.time() - start:.0f} s")
+    report = json.loads((tmp_path / "out" / "tiny.json").read_text())
+    assert str(tmp_path) not in report["settings"]["command"].replace(f"--out={tmp_path / 'out'}", "")
+    assert set(report["results"]["sharedkv"]) == {"0", "1"} and "dirty" in report["settings"]
+    base, shared = ([report["results"][v][s]["val_loss"] for s in "01"] for v in ("baseline", "sharedkv"))
+    md = (tmp_path / "out" / "tiny.md").read_text()
+    assert f"| sharedkv | {np.mean(shared):.4f} ± {np.std(shared, ddof=1):.4f} | {np.mean(shared) - np.mean(base):+.4f} ± " in md
+    assert (ROOT / "docs" / "variants.md").read_bytes() == docs

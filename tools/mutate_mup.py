@@ -4,9 +4,10 @@ fail: each rule must have a test that catches it (the table: issue 33's closing 
     python tools/mutate_mup.py [RULE ...] [--with_staleness] [-- PYTEST_ARGS]
 
 RULE: the names in MUTATIONS (default: all; --help lists them). --with_staleness keeps
-tests/test_mup.py's staleness test, which compares the rules' fingerprint with docs' evidence. The copy holds the tracked files and the prepared data; the
-working tree is never edited. Each mutation must change its file exactly once, or it is reported
-as stale (the code moved on) rather than run."""
+tests/test_mup.py's staleness test, which compares the rules' fingerprint with docs' evidence.
+The copy holds the tracked files and the prepared data; the working tree is never edited. Each
+mutation must change its file exactly once, or it is reported as stale (the code moved on) rather
+than run."""
 import argparse
 import re
 import shutil

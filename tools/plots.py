@@ -1,7 +1,7 @@
 """The report of mup.py's evidence, made from evidence.json alone: a figure per part (matplotlib)
 and README.md, whose every number is read from the JSON and whose every claim is printed only when
 its numbers pass the threshold stated beside it (95% intervals over seeds); each file written
-whole. Evidence made before seeds (no "seeds" key) is read too, and its README says what it lacks."""
+whole. Evidence made before seeds (no "seeds" key) is read too; its README says what it lacks."""
 import copy
 import os
 from collections.abc import Callable
@@ -173,9 +173,9 @@ def wider_is_better(doc: dict) -> tuple[int, list[tuple[int, list, list, bool, b
     width, its seed sd, whether each wider width is never worse beyond 1 sd (its mean at most the
     narrower's plus the larger of their sds), whether each is better beyond 1 sd (its mean below
     the narrower's minus the larger sd))."""
-    s = doc["settings"]["curves"]
+    s = doc["settings"].get("curves")
     results, sizes = tables(doc, "curves")
-    if len(sizes) < 2:
+    if not s or len(sizes) < 2:
         return 0, []
     train = np.array([results[w]["train"] for w in sizes])  # (widths, seeds, windows)
     mean = train.mean(axis=1)
@@ -204,12 +204,17 @@ def sweep_stats(doc: dict, part: str) -> dict[int, dict]:
     return out
 
 
-def drift_claim(title: str, axis: str, sizes: list[int], stats: dict, seeds: int) -> str:
+def drift_claim(title: str, axis: str, sizes: list[int], stats: dict, seeds: int,
+                n_lrs: int) -> str:
     """The optimum's drift from the smallest size to the largest, and the claim its 95% interval
-    allows: stays (within one grid step, a factor 2 of LR), moves, or not resolved."""
+    allows: stays (within one grid step, a factor 2 of LR), moves, or not resolved. None when an
+    optimum lies at the grid's edge (it may lie beyond) or every LR diverged."""
     first, last = stats[sizes[0]]["place"], stats[sizes[-1]]["place"]
-    d, h = difference(first, last)
     span = f"over {sizes[-1] / sizes[0]:g}x {axis} ({sizes[0]} -> {sizes[-1]})"
+    if any(p is None or p in (0, n_lrs - 1) for p in first + last):
+        return (f"- {title}: an optimum {span} lies at the grid's edge (or every LR diverged): "
+                "not bracketed, so no claim about its drift.")
+    d, h = difference(first, last)
     if seeds < 2 or np.isnan(h):
         return (f"- {title}: drift {d:+.2f} grid steps {span}; one seed per LR; no spread: "
                 "no interval, so no claim that the optimum stays or moves.")
@@ -228,7 +233,7 @@ def sp_against_mup(doc: dict, st: dict) -> list[str]:
     """Where SP's best loss is lower than muP's (per swept width), and the user's comparison: the
     largest width trained at the LR that is best at the base width, muP against SP."""
     mup, sp = sweep_stats(doc, "lr_width"), sweep_stats(doc, "lr_width_sp")
-    widths = sorted(set(mup) & set(sp))
+    widths = sorted(set(mup) & set(sp))  # none: a part not run
     if not widths:
         return []
     seeds = min(len(mup[widths[0]]["loss"]), len(sp[widths[0]]["loss"]))
@@ -236,21 +241,28 @@ def sp_against_mup(doc: dict, st: dict) -> list[str]:
              "SP here is GPT-2's (every LR the same, alpha_out 1, the readout drawn N(0, 1/D)): it "
              "differs from muP even at the base width. Best loss over the grid, muP minus SP (a "
              "difference counts only when its 95% interval excludes 0):", ""]
-    lower = []
+    lower, resolved = [], []
     for w in widths:
         d, h = difference(sp[w]["loss"], mup[w]["loss"])
         lines.append(f"- width {w}: muP {cell(*mean_sd(mup[w]['loss']), 3)}, "
                      f"SP {cell(*mean_sd(sp[w]['loss']), 3)}, muP - SP {cell(d, h, 3)}")
         lower.append("SP" if d > 0 else "muP")
+        resolved.append(abs(d) > h)  # False for nan: one seed
     lines.append("")
-    noise = "one seed per LR; no spread" if seeds < 2 else "means over seeds"
     for who in ("SP", "muP"):
-        if all(x == who for x in lower):
-            lines.append(f"{who} has the lower loss at every swept width ({noise}).")
+        if seeds < 2 and all(x == who for x in lower):
+            lines.append(f"{who} has the lower loss at every swept width (one seed per LR; no "
+                         "spread).")
+        elif all(x == who for x in lower):
+            beyond = ", ".join(str(w) for w, r in zip(widths, resolved) if r) or "none"
+            if all(resolved):
+                beyond = "every one"
+            lines.append(f"{who} has the lower mean loss at every swept width; beyond the 95% "
+                         f"interval at: {beyond}.")
     if len(set(lower)) > 1:
-        lines.append("SP has the lower loss at widths "
+        lines.append("SP has the lower mean loss at widths "
                      f"{', '.join(str(w) for w, x in zip(widths, lower) if x == 'SP')}; muP at "
-                     f"the others ({noise}).")
+                     "the others.")
     base, top = st["lr_width"]["config"]["d_model"], widths[-1]
     lrs = st["lr_width"]["lrs"]
     if base in widths and top != base:
@@ -326,12 +338,15 @@ def readme(doc: dict) -> str:
     lines += ["", "## Learning-rate sweeps", "",
               "Per size: the best LR's place on the grid (0 = the first LR below; between grid "
               "points, plots.optimum: the parabola through the best LR and its neighbours), mean "
-              "± sd over seeds, the LR there, and the best validation loss, mean ± sd. Drift: the "
+              "± sd over seeds, the LR there, and the best validation loss, mean ± sd. Drift: "
+              "the "
               "largest size's place minus the smallest's, with its 95% interval (Welch's t over "
               "seeds). The optimum is said to stay when that interval lies within ±1 grid step (a "
               "factor 2 in LR), to move when it lies beyond.", ""]
     for axis in ("width", "depth"):
         parts = [p for p in st if st[p]["kind"] == "sweep" and st[p]["axis"] == axis]
+        if not parts:
+            continue
         lrs = st[parts[0]]["lrs"]
         lines += [f"Grid: {', '.join(f'{lr:.3g}' for lr in lrs)}; {st[parts[0]]['steps']} steps; "
                   f"{st[parts[0]]['seeds']} seed(s).",
@@ -353,7 +368,7 @@ def readme(doc: dict) -> str:
             sizes = sorted(stats[p])
             if len(sizes) > 1:
                 lines.append(drift_claim(TITLES[st[p]["model"]], axis, sizes, stats[p],
-                                         st[p]["seeds"]))
+                                         st[p]["seeds"], len(lrs)))
         lines.append("")
     lines += sp_against_mup(doc, st)
     every, rows = wider_is_better(doc)

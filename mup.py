@@ -48,9 +48,10 @@ PARTS = {"coord_width": ("coord", "width", "mup"), "coord_width_sp": ("coord", "
          "lr_width": ("sweep", "width", "mup"), "lr_depth": ("sweep", "depth", "mup"),
          "lr_depth_nodepth": ("sweep", "depth", "nodepth"), "lr_width_sp": ("sweep", "width", "sp"),
          "curves": ("curves", "width", "mup")}
-SEEDS = 3  # the fewest that give a spread: each optimum is mean +- sd, each drift an interval
+SEEDS = 3  # each optimum a mean +- sd, each drift a difference with its 95% interval
 COORD_LR = 4.0  # coordinate checks at 4x the base LR: a larger LR shows a wrong rule sooner (mup)
 COORD_READOUT = 1.0  # their readout N(0, 1 / d_base): model.py's zero would leave step 1 inert
+COORD_SEQS = 4  # the batch's first sequences they read x_t on: x_0 is kept on the host until t
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +291,7 @@ def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int,
 def settings(cfg: Config, preset: str = "cpu", seeds: int = SEEDS) -> dict:
     """Each part's settings: what it trains, at which sizes, from how many seeds (each its own
     initial model and batches), and its model's full config. Coordinate checks: at COORD_LR x the
-    LR, from a readout COORD_READOUT."""
+    LR, from a readout COORD_READOUT, read on COORD_SEQS sequences."""
     pre, out = PRESETS[preset], {}
     for part, (kind, axis, model) in PARTS.items():
         base = cfg.d_model if axis == "width" else cfg.n_layer
@@ -301,7 +302,7 @@ def settings(cfg: Config, preset: str = "cpu", seeds: int = SEEDS) -> dict:
                          seeds=seeds, lrs=[cfg.learning_rate * k for k in factors],
                          batches="per seed", config=config)
         if kind == "coord":
-            out[part]["readout"] = COORD_READOUT
+            out[part].update(readout=COORD_READOUT, sequences=COORD_SEQS)
     return out
 
 
@@ -310,7 +311,7 @@ def measure(s: dict, size: int, lrs_per_program: int | None = None):
     cfg = variant(resize(Config(**s["config"]), s["axis"], size), s["model"])  # nodepth: L again
     if s["kind"] == "coord":
         cfg = dataclasses.replace(cfg, learning_rate=s["lrs"][0])
-        return coord_check(cfg, s["steps"], s["seeds"], s["readout"], seqs=4)
+        return coord_check(cfg, s["steps"], s["seeds"], s["readout"], s["sequences"])
     loss, val = train_runs(cfg, s["lrs"], s["seeds"], s["steps"], lrs_per_program)
     if s["kind"] == "sweep":  # (seeds, LRs)
         return [[float(v) if np.isfinite(v) else None for v in row] for row in val.T]

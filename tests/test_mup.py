@@ -163,25 +163,28 @@ def test_coordinate_check_over_depth(shakespeare):
 
 def test_coordinate_check_reads_x_t_and_x_t_minus_x_0(shakespeare):
     """mup.coord_check's mean |x_t| and mean |x_t - x_0| (microsoft/mup's two measures) of the logits and
-    the embedding, against the model run directly, without taps, from the same initial model and one step
-    of the same batch at m = 2. Its readout (readout=1) starts N(0, 1 / d_base), not zero: step 1 then
+    the embedding, against the model run directly, without taps, from the same initial model and two steps
+    on the same batch at m = 2. Its readout (readout=1) starts N(0, 1 / d_base), not zero: step 1 then
     moves the activations inside the model too."""
     import data
     cfg = mup_tiny(dataset="shakespeare_char", d_base=32, learning_rate=8e-3, min_lr=8e-3, warmup_steps=0,
-                   max_steps=1)
-    got = mup.coord_check(cfg, 1, 1, readout=1.0)
+                   max_steps=2)
+    got = mup.coord_check(cfg, 2, 1, readout=1.0)
     x, y = data.get_batch(data.load_split(cfg, "train"), cfg.seed, data.TRAIN, 0, cfg.batch_size, cfg.block_size)
     gpt = mup.init(cfg, jax.random.key(cfg.seed), readout=1.0)
     assert np.std(gpt.emb.unembed) == pytest.approx(1 / math.sqrt(32), rel=0.05)
     s = train.setup(cfg, mup.one_device_mesh())
     opt_state = train.make_optimizer(cfg, params.policy_table(gpt, cfg)).init(eqx.filter(gpt, eqx.is_array))
-    outputs = lambda g: (np.asarray(jax.vmap(g)(x)), np.asarray(jax.vmap(g.embed)(x)))
-    before = outputs(gpt)
-    after = outputs(s.step(gpt, opt_state, x[None], y[None])[0])  # donates gpt's arrays: before holds copies
-    for name, b, a in zip(("logits", "embed"), before, after):
-        np.testing.assert_allclose(got["x"][name], [np.abs(b).mean(), np.abs(a).mean()], rtol=1e-5)
-        np.testing.assert_allclose(got["dx"][name], [0.0, np.abs(a - b).mean()], rtol=1e-4)
-        assert got["dx"][name][1] > 0
+    seen = []
+    for t in range(3):
+        seen.append((np.asarray(jax.vmap(gpt)(x)), np.asarray(jax.vmap(gpt.embed)(x))))
+        if t < 2:  # donates gpt's arrays: seen holds copies
+            gpt, opt_state, _ = s.step(gpt, opt_state, x[None], y[None])
+    for i, name in enumerate(("logits", "embed")):
+        np.testing.assert_allclose(got["x"][name], [np.abs(o[i]).mean() for o in seen], rtol=1e-5)
+        np.testing.assert_allclose(got["dx"][name], [np.abs(o[i] - seen[0][i]).mean() for o in seen],
+                                   rtol=1e-4, atol=1e-12)
+        assert got["dx"][name][2] > 0
     assert got["dx"]["mlp_out"][1] > 0  # not only the readout moved
 
 
@@ -250,7 +253,7 @@ def test_docs_mup_evidence_is_current(where):
         for part, s in now.items():
             s.update(seeds={"sweep": 1}.get(s["kind"], 3), lrs=s["lrs"] if s["kind"] != "coord"
                      else [cfg.learning_rate])
-            for key in ("batches", "readout"):
+            for key in ("batches", "readout", "sequences"):
                 s.pop(key, None)
         assert "one seed per LR; no spread" in plots.readme(doc)
     stale = plots.differences(doc["settings"], now)
@@ -348,18 +351,17 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
 
 
 def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path, monkeypatch):
-    """`python mup.py evidence --preset=tiny`, the parts over width (the real training at toy sizes, 3
-    seeds): the CPU dry run of what --preset=gpu runs on a device, through the same code. Its files hold
-    every size and seed, and the README states only claims its numbers pass."""
-    monkeypatch.setattr(mup, "PARTS", {p: mup.PARTS[p] for p in ("coord_width", "lr_width", "lr_width_sp", "curves")})
+    """`python mup.py evidence --preset=tiny`, its LR sweeps over width (the real training at toy sizes,
+    3 seeds, LRs and seeds vmapped in programs of 2 LRs as --preset=gpu's): the CPU dry run of what the
+    GPU ladder runs, through the same code (the coordinate check's: the test above). Its files hold every
+    size, LR and seed, and the README compares muP and SP as a user who tunes small would."""
+    monkeypatch.setattr(mup, "PARTS", {p: mup.PARTS[p] for p in ("lr_width", "lr_width_sp")})
     start = time.time()
     mup.main(["evidence", "--preset=tiny", f"--out={tmp_path}"])
-    print(f"tiny preset, width parts: {time.time() - start:.0f} s")
+    print(f"tiny preset, LR sweeps over width: {time.time() - start:.0f} s")
     doc = json.loads((tmp_path / "evidence.json").read_text())
     assert doc["seeds"] == 3 and doc["preset"] == "tiny" and doc["rules"] == mup.rules()
     assert all(len(seeds) == 3 and len(seeds[0]) == 3 for seeds in doc["results"]["lr_width"].values())
-    assert len(doc["results"]["curves"]["16"]["train"]) == 3
-    assert set(doc["results"]["coord_width"]["16"]) == {"x", "dx"}
     readme = (tmp_path / "README.md").read_text()
     assert "--preset=tiny" in readme and "Tuned at the base width 32 and trained at width 64" in readme
     assert readme == plots.readme(doc) and "one seed per LR" not in readme

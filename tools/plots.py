@@ -129,8 +129,10 @@ def coord_table(doc: dict, part: str, kind: str = "x") -> tuple[list[int], dict[
 
 
 def mean_sd(values) -> tuple[float, float]:
-    """The mean and the sample standard deviation (nan for one value)."""
+    """The mean and the sample standard deviation (nan for one value; both nan for none)."""
     v = np.asarray([x for x in values if x is not None], dtype=float)
+    if not v.size:
+        return float("nan"), float("nan")
     return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else float("nan")
 
 
@@ -138,6 +140,8 @@ def difference(a, b) -> tuple[float, float]:
     """mean(b) - mean(a) and the half-width of its 95% interval (Welch's t; nan with fewer than
     two values on either side): two independent sets of seeds."""
     a, b = (np.asarray([x for x in v if x is not None], dtype=float) for v in (a, b))
+    if not (a.size and b.size):
+        return float("nan"), float("nan")
     d = float(b.mean() - a.mean())
     if min(a.size, b.size) < 2:
         return d, float("nan")

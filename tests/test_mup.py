@@ -325,6 +325,7 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
     readme = (tmp_path / "whole" / "README.md").read_text()
     assert "| 64 | 0.00 ± 0.00 (0.00025), loss 0.016 ± 0.000 | 0.00 ± 0.00 (0.00025), loss 0.016 ± 0.000 |" in readme
     assert "Wider is never worse beyond 1 sd at any logged step after warmup; better beyond 1 sd at every" in readme
+    assert "Tuned at the base width 128 and trained at width 256 with the LR best at 128" in readme
 
     out, done[:] = tmp_path / "resumed", []
     result = run(["-c", INTERRUPTED, *args, f"--out={out}"], timeout=300)
@@ -351,11 +352,11 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
 
 
 def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path, monkeypatch):
-    """`python mup.py evidence --preset=tiny`, its LR sweeps over width (the real training at toy sizes,
-    3 seeds, LRs and seeds vmapped in programs of 2 LRs as --preset=gpu's): the CPU dry run of what the
-    GPU ladder runs, through the same code (the coordinate check's: the test above). Its files hold every
-    size, LR and seed, and the README compares muP and SP as a user who tunes small would."""
-    monkeypatch.setattr(mup, "PARTS", {p: mup.PARTS[p] for p in ("lr_width", "lr_width_sp")})
+    """`python mup.py evidence --preset=tiny`, its muP LR sweep over width (the real training at toy
+    sizes, 3 seeds, LRs and seeds vmapped in programs of 2 LRs as --preset=gpu's): the CPU dry run of what
+    the GPU ladder runs, through the same code (the coordinate check's: the test above). Its files hold
+    every size, LR and seed, and the README their means and spreads."""
+    monkeypatch.setattr(mup, "PARTS", {"lr_width": mup.PARTS["lr_width"]})
     start = time.time()
     mup.main(["evidence", "--preset=tiny", f"--out={tmp_path}"])
     print(f"tiny preset, LR sweeps over width: {time.time() - start:.0f} s")
@@ -363,7 +364,7 @@ def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path
     assert doc["seeds"] == 3 and doc["preset"] == "tiny" and doc["rules"] == mup.rules()
     assert all(len(seeds) == 3 and len(seeds[0]) == 3 for seeds in doc["results"]["lr_width"].values())
     readme = (tmp_path / "README.md").read_text()
-    assert "--preset=tiny" in readme and "Tuned at the base width 32 and trained at width 64" in readme
+    assert "--preset=tiny" in readme and "| 32 | " in readme and "| 64 | " in readme
     assert readme == plots.readme(doc) and "one seed per LR" not in readme
 
 

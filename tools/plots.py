@@ -250,7 +250,7 @@ def sp_against_mup(doc: dict, st: dict) -> list[str]:
         d, h = difference(sp[w]["loss"], mup[w]["loss"])
         lines.append(f"- width {w}: muP {cell(*mean_sd(mup[w]['loss']), 3)}, "
                      f"SP {cell(*mean_sd(sp[w]['loss']), 3)}, muP - SP {cell(d, h, 3)}")
-        lower.append("SP" if d > 0 else "muP")
+        lower.append("SP" if d > 0 else "muP" if d < 0 else "neither")
         resolved.append(abs(d) > h)  # False for nan: one seed
     lines.append("")
     for who in ("SP", "muP"):
@@ -264,9 +264,8 @@ def sp_against_mup(doc: dict, st: dict) -> list[str]:
             lines.append(f"{who} has the lower mean loss at every swept width; beyond the 95% "
                          f"interval at: {beyond}.")
     if len(set(lower)) > 1:
-        lines.append("SP has the lower mean loss at widths "
-                     f"{', '.join(str(w) for w, x in zip(widths, lower) if x == 'SP')}; muP at "
-                     "the others.")
+        at = lambda who: ", ".join(str(w) for w, x in zip(widths, lower) if x == who) or "none"
+        lines.append(f"The lower mean loss: SP at widths {at('SP')}; muP at {at('muP')}.")
     base, top = st["lr_width"]["config"]["d_model"], widths[-1]
     lrs = st["lr_width"]["lrs"]
     if base in widths and top != base:

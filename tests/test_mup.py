@@ -175,6 +175,8 @@ def test_coordinate_check_reads_x_t_and_x_t_minus_x_0(shakespeare):
     assert np.std(gpt.emb.unembed) == pytest.approx(1 / math.sqrt(32), rel=0.05)
     s = train.setup(cfg, mup.one_device_mesh())
     opt_state = train.make_optimizer(cfg, params.policy_table(gpt, cfg)).init(eqx.filter(gpt, eqx.is_array))
+    # placed as the step's outputs are: the step is then traced once
+    gpt, opt_state = eqx.filter_shard(gpt, s.model_sharding), eqx.filter_shard(opt_state, s.opt_sharding)
     seen = []
     for t in range(3):
         seen.append((np.asarray(jax.vmap(gpt)(x)), np.asarray(jax.vmap(gpt.embed)(x))))

@@ -1,16 +1,20 @@
 """The seeds' variants side by side: docs/variants.md, remade by one command.
 
-    python variants.py [--size=small|large] [--seeds=0,1,2] [--steps=N] [--out=docs/variants]
+    python variants.py [--size=small|large|gpu|tiny] [--seeds=0,1,2] [--steps=N]
+        [--out=runs/variants/report]
 
 trains the baseline and each variant (SharedKV, grouped-query attention with n_head / 4 key/value
 heads, MUDD, ALiBi, MUDD + SharedKV) at the quickstart's recipe (configs/shakespeare_char_cpu.py,
-its fast form: two CPU devices, data-parallel) from each seed, on the same tokens, with
-launch.py in a subprocess each (runs/variants/SIZE/VARIANT/sSEED, resumed when rerun). Then it
-evaluates each final model on fixed validation batches at 1x, 2x and 4x the training length
-(ALiBi's claim), and writes OUT/SIZE.json (every number, the commit and the settings) and the
-markdown table OUT/SIZE.md, which it also puts into docs/variants.md (between its markers).
+its fast form: two CPU devices, data-parallel) from each seed (each its own initial model and
+batch order: --config.seed), with launch.py in a subprocess each (runs/variants/SIZE/VARIANT/sSEED,
+resumed when rerun). Then it evaluates each final model on fixed validation batches at 1x, 2x and
+4x the training length (ALiBi's claim), and writes OUT/SIZE.json (every number, the commit, whether
+the tree was dirty, the settings) and the markdown table OUT/SIZE.md: mean ± sd over seeds, and
+each variant minus the baseline with its 95% interval. With --out=docs/variants the table also
+goes into docs/variants.md (between its markers); the default --out leaves tracked files alone.
 "large" is the largest size the 2-core CPU trains in minutes (width 256, 8 layers; muP carries
-the LR).
+the LR); "gpu" 14M parameters (width 384, 8 layers, 600 steps of 64 x 256 tokens, bfloat16) on
+one GPU; "tiny" a toy size for the CPU test of the whole command.
 """
 import argparse
 import logging
@@ -30,7 +34,16 @@ VARIANTS = {
     "alibi": ["--config.position=alibi"],
     "mudd+sharedkv": ["--config.connections=mudd", "--config.attention=sharedkv"],
 }
-SIZES = {"small": [], "large": ["--config.d_model=256", "--config.n_head=8", "--config.n_layer=8"]}
+SIZES = {"small": [], "large": ["--config.d_model=256", "--config.n_head=8", "--config.n_layer=8"],
+         "gpu": ["--config.d_model=384", "--config.n_head=12", "--config.n_layer=8",
+                 "--config.block_size=256", "--config.batch_size=64", "--config.max_steps=600",
+                 "--config.warmup_steps=60", "--config.eval_interval=600",
+                 "--config.compute_dtype=bfloat16"],
+         "tiny": ["--config.d_model=32", "--config.n_head=2", "--config.n_layer=2",
+                  "--config.block_size=16", "--config.batch_size=4", "--config.eval_batches=2"]}
+# sizes trained on the CPU split into two data-parallel devices (the quickstart's); others: one
+# accelerator
+CPU_SIZES = {"small", "large", "tiny"}
 LENGTHS = (1, 2, 4)  # evaluation lengths, in training lengths
 
 
@@ -43,16 +56,18 @@ def overrides(size: str, variant: str, seed: int, steps: int | None) -> list[str
     return [a.replace("N_HEAD/4", str(max(n_head // 4, 1))) for a in args]
 
 
-def train_run(rundir: Path, args: list[str]) -> None:
-    """launch.py as the README's quickstart runs it, unless the run has its last checkpoint."""
+def train_run(rundir: Path, args: list[str], size: str) -> None:
+    """launch.py as the README's quickstart runs it (on an accelerator, one device), unless the
+    run has its last checkpoint."""
     import configs
 
     steps = configs.apply_overrides(configs.load("shakespeare_char_cpu"), args).max_steps
     if (rundir / "checkpoints" / str(steps)).is_dir():
         return
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+    cpu = size in CPU_SIZES
+    env = {**os.environ, **({"JAX_NUM_CPU_DEVICES": "2"} if cpu else {})}
     cmd = [sys.executable, "launch.py", "--config=shakespeare_char_cpu",
-           "--config.mesh_replica=2", f"--rundir={rundir}", *args]
+           f"--config.mesh_replica={2 if cpu else 1}", f"--rundir={rundir}", *args]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if r.returncode:
         sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
@@ -96,17 +111,29 @@ def measure(rundir: Path, args: list[str]) -> dict:
 
 
 def table(results: dict, seeds: list[int]) -> str:
-    """Markdown: mean ± std over seeds per variant."""
-    def mean_std(values):
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{statistics.mean(values):.4f} ± {sd:.4f}"
+    """Markdown: mean ± sd over seeds per variant, and its val loss minus the baseline's with the
+    95% interval of the difference (Welch's t; "resolved" when it excludes 0)."""
+    from tools import plots
 
-    head = ("| variant | val loss | params | FLOPs/token | step (ms) | KV cache B/token | "
-            + " | ".join(f"val @ {n}x length" for n in LENGTHS[1:]) + " |")
-    rows = [head, "|" + "---|" * (5 + len(LENGTHS))]
+    def mean_std(values):
+        sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+        return f"{statistics.mean(values):.4f}" + ("" if sd != sd else f" ± {sd:.4f}")
+
+    def against_baseline(runs):
+        if "baseline" not in results or runs is results["baseline"]:
+            return ""
+        d, h = plots.difference([r["val_loss"] for r in results["baseline"].values()],
+                                [r["val_loss"] for r in runs.values()])
+        if h != h:  # one seed
+            return f"{d:+.4f} (one seed: no interval)"
+        return f"{d:+.4f} ± {h:.4f}" + (" (resolved)" if abs(d) > h else "")
+
+    head = ("| variant | val loss | minus baseline (95%) | params | FLOPs/token | step (ms) | "
+            "KV cache B/token | " + " | ".join(f"val @ {n}x length" for n in LENGTHS[1:]) + " |")
+    rows = [head, "|" + "---|" * (6 + len(LENGTHS))]
     for variant, runs in results.items():
         first = runs[str(seeds[0])]
-        cells = [variant, mean_std([r["val_loss"] for r in runs.values()]),
+        cells = [variant, mean_std([r["val_loss"] for r in runs.values()]), against_baseline(runs),
                  f"{first['params']:,}", f"{first['flops_per_token']:.3g}",
                  f"{statistics.median(r['step_ms'] for r in runs.values()):.1f}",
                  str(first["kv_cache_bytes_per_token"])]
@@ -121,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--steps", type=int, help="a shorter schedule (a smoke test)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of these")
-    ap.add_argument("--out", default="docs/variants")
+    ap.add_argument("--out", default="runs/variants/report",
+                    help="docs/variants also remakes docs/variants.md's table")
     ap.add_argument("--runs", default="runs/variants", help="where the runs train")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -134,21 +162,27 @@ def main(argv: list[str] | None = None) -> None:
             run_args = overrides(args.size, variant, seed, args.steps)
             rundir = ROOT / args.runs / args.size / variant / f"s{seed}"
             print(f"{variant} seed {seed}: {rundir}", flush=True)
-            train_run(rundir, run_args)
+            train_run(rundir, run_args, args.size)
             results[variant][str(seed)] = measure(rundir, run_args)
     results = json.loads(json.dumps(results))  # the lengths' keys as the file will hold them
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True).stdout.strip()
+    from run import rundir
+    state = rundir.git_state()
+    commit = (state["commit"] or "unknown")[:7]
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"command": " ".join(["python variants.py", *(argv or sys.argv[1:])]),
-                "commit": commit, "size": args.size, "seeds": seeds, "steps": args.steps,
+    # the command as anyone reruns it: where the runs trained (--runs) changes no number
+    shown = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--runs")]
+    settings = {"command": " ".join(["python variants.py", *shown]), "commit": commit,
+                "dirty": state["dirty"], "size": args.size, "seeds": seeds, "steps": args.steps,
                 "overrides": {v: overrides(args.size, v, 0, args.steps) for v in names}}
     (out / f"{args.size}.json").write_text(json.dumps({"settings": settings,
                                                        "results": results}, indent=1))
     (out / f"{args.size}.md").write_text(table(results, seeds))
+    dirty = " (with uncommitted changes: the commit alone does not reproduce it)" * bool(
+        state["dirty"])
     if out == ROOT / "docs" / "variants":  # not a smoke test's: docs/variants.md shows it
-        put_in_docs(args.size, f"`{settings['command']}` at {commit}:\n\n" + table(results, seeds))
+        put_in_docs(args.size, f"`{settings['command']}` at {commit}{dirty}:\n\n"
+                    + table(results, seeds))
     print(table(results, seeds))
 
 

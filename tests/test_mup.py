@@ -122,7 +122,7 @@ def test_first_adam_step_sizes_follow_mup(m):
 
 def coord_table(cfg, axis, sizes, steps, seeds=2):
     """Activation name -> mean |x|, shape (sizes, steps + 1), from mup.coord_check at each size."""
-    rows = [mup.coord_check(mup.resize(cfg, axis, size), steps, seeds) for size in sizes]
+    rows = [mup.coord_check(mup.resize(cfg, axis, size), steps, seeds)["x"] for size in sizes]
     return {name: np.array([row[name] for row in rows]) for name in rows[0]}
 
 
@@ -156,9 +156,38 @@ def test_coordinate_check_over_depth(shakespeare):
     worst, fitted = max_abs_slope(coord_table(cfg, "depth", depths, steps=4), depths, range(1, 5))
     assert worst <= 0.15, fitted
     ends = [depths[0], depths[-1]]  # the control needs only the ends for a slope: fewer compilations
-    rows = [mup.coord_check(mup.variant(mup.resize(cfg, "depth", L), "nodepth"), 4, 2) for L in ends]
+    rows = [mup.coord_check(mup.variant(mup.resize(cfg, "depth", L), "nodepth"), 4, 2)["x"] for L in ends]
     grows, fitted_off = max_abs_slope({k: np.array([r[k] for r in rows]) for k in rows[0]}, ends, range(1, 5))
     assert grows >= 0.4, fitted_off
+
+
+def test_coordinate_check_reads_x_t_and_x_t_minus_x_0(shakespeare):
+    """mup.coord_check's mean |x_t| and mean |x_t - x_0| (microsoft/mup's two measures) of the logits and
+    the embedding, against the model run directly, without taps, from the same initial model and two steps
+    on the same batch at m = 2. Its readout (readout=1) starts N(0, 1 / d_base), not zero: step 1 then
+    moves the activations inside the model too."""
+    import data
+    cfg = mup_tiny(dataset="shakespeare_char", d_base=32, learning_rate=8e-3, min_lr=8e-3, warmup_steps=0,
+                   max_steps=2)
+    got = mup.coord_check(cfg, 2, 1, readout=1.0)
+    x, y = data.get_batch(data.load_split(cfg, "train"), cfg.seed, data.TRAIN, 0, cfg.batch_size, cfg.block_size)
+    gpt = mup.init(cfg, jax.random.key(cfg.seed), readout=1.0)
+    assert np.std(gpt.emb.unembed) == pytest.approx(1 / math.sqrt(32), rel=0.05)
+    s = train.setup(cfg, mup.one_device_mesh())
+    opt_state = train.make_optimizer(cfg, params.policy_table(gpt, cfg)).init(eqx.filter(gpt, eqx.is_array))
+    # placed as the step's outputs are: the step is then traced once
+    gpt, opt_state = eqx.filter_shard(gpt, s.model_sharding), eqx.filter_shard(opt_state, s.opt_sharding)
+    seen = []
+    for t in range(3):
+        seen.append((np.asarray(jax.vmap(gpt)(x)), np.asarray(jax.vmap(gpt.embed)(x))))
+        if t < 2:  # donates gpt's arrays: seen holds copies
+            gpt, opt_state, _ = s.step(gpt, opt_state, x[None], y[None])
+    for i, name in enumerate(("logits", "embed")):
+        np.testing.assert_allclose(got["x"][name], [np.abs(o[i]).mean() for o in seen], rtol=1e-5)
+        np.testing.assert_allclose(got["dx"][name], [np.abs(o[i] - seen[0][i]).mean() for o in seen],
+                                   rtol=1e-4, atol=1e-12)
+        assert got["dx"][name][2] > 0
+    assert got["dx"]["mlp_out"][1] > 0  # not only the readout moved
 
 
 def lr_sweep(cfg, lrs, steps):
@@ -201,26 +230,51 @@ EVIDENCE = sorted(p.parent.relative_to(ROOT) for p in (ROOT / "docs").rglob("evi
 
 @pytest.mark.parametrize("where", EVIDENCE, ids=map(str, EVIDENCE))
 def test_docs_mup_evidence_is_current(where):
-    """Each evidence.json under docs/ (docs/mup, and a variant's in docs/variants) holds the settings
-    (full resolved configs, sizes, steps, seeds, LRs) that its recorded `python mup.py evidence` command
-    would run now, a result for every size, and the README made from them: otherwise the evidence is
-    stale, and this names the fields that differ and the command that remakes it."""
+    """Each evidence.json under docs/ (docs/mup, and a variant's in docs/variants) holds the rules'
+    fingerprint (mup.rules: the policy rows, forward multipliers and LR schedule at a reference
+    shape) and the settings (full resolved configs, sizes, steps, seeds, LRs) that its recorded
+    `python mup.py evidence` command would run now, a result for every size, and the README made
+    from them: otherwise the evidence is stale, and this names what differs and the command that
+    remakes it. Evidence made before seeds (no "seeds" key) is checked against the settings that
+    code ran (one seed per sweep, coordinate checks at the training LR from a zero readout, seeds
+    sharing batches), and its README must say plainly that it has one seed per LR and no spread."""
     doc = json.loads((ROOT / where / "evidence.json").read_text())
-    command = " ".join(["python mup.py evidence", f"--out={where}", f"--config={doc['config_name']}",
-                        *doc["overrides"]])
+    preset = doc.get("preset", "cpu")
+    command = " ".join(["python mup.py evidence", f"--out={where}", f"--preset={preset}",
+                        f"--config={doc['config_name']}", *doc["overrides"]])
+    assert doc.get("rules") == mup.rules(), f"{where} is stale (a muP rule changed): {command}"
     # a Config field added after the evidence was made is its default there (as launch.py reads an
     # older run's config.json): a new option, off by default, does not change what was measured
     defaults = json.loads(json.dumps(dataclasses.asdict(configs.Config())))
     for part in doc["settings"].values():
         part["config"] = {**{k: v for k, v in defaults.items() if k not in part["config"]},
                           **part["config"]}
-    cfg = configs.apply_overrides(configs.load(doc["config_name"]), doc["overrides"])
-    now = mup.settings(dataclasses.replace(cfg, mesh_replica=1, kernels=False))
+    cfg = mup.evidence_config(doc["config_name"], preset, doc["overrides"])
+    now = mup.settings(cfg, preset, doc.get("seeds", mup.SEEDS))
+    if "seeds" not in doc:  # made before seeds: the settings of that code
+        for part, s in now.items():
+            s.update(seeds={"sweep": 1}.get(s["kind"], 3), lrs=s["lrs"] if s["kind"] != "coord"
+                     else [cfg.learning_rate])
+            for key in ("batches", "readout", "sequences"):
+                s.pop(key, None)
+        assert "one seed per LR; no spread" in plots.readme(doc)
     stale = plots.differences(doc["settings"], now)
     assert not stale, f"{where} is stale ({', '.join(stale)} differ): {command}"
     missing = [(p, s) for p, v in now.items() for s in v["sizes"] if str(s) not in doc["results"].get(p, {})]
     assert not missing, f"{where} lacks {missing}: rerun {command} to finish it"
     assert (ROOT / where / "README.md").read_text() == plots.readme(doc)
+
+
+def test_a_changed_rule_changes_the_fingerprint(monkeypatch):
+    """mup.rules sees a rule changed in params.py (the hidden LR's 1/m removed): the staleness
+    test's comparison then fails (tools/mutate_mup.py --with_staleness shows it for every rule)."""
+    before = mup.rules()
+    rows = params.policy_rows
+    monkeypatch.setattr(params, "policy_rows", lambda cfg: {**rows(cfg), "blocks.mlp.up": dataclasses.replace(
+        rows(cfg)["blocks.mlp.up"], lr_mult=1.0)})
+    assert mup.rules()["rows"]["blocks.mlp.up"] != before["rows"]["blocks.mlp.up"]
+    monkeypatch.undo()
+    assert mup.rules() == before
 
 
 def test_staleness_names_the_differing_fields():
@@ -237,16 +291,17 @@ def test_staleness_names_the_differing_fields():
 def fake_measure(done, interrupt_at=None):
     """mup.measure's stand-in: results from the size; records (part, size). At interrupt_at it sends the
     process a Ctrl-C (SIGINT) and waits for it."""
-    def measure(s, size):
+    def measure(s, size, *_):
         if (s["kind"], size) == interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(60)
         done.append((s["kind"], size))
         if s["kind"] == "coord":
-            return {"q": [float(size) ** 0.5 * (t + 1) for t in range(s["steps"] + 1)]}
-        if s["kind"] == "sweep":
-            return [size * lr for lr in s["lrs"][:-1]] + [None]  # None: a diverged run
-        return {"train": [[3 - size / 1000 - t / 100 for t in range(s["steps"] // mup.EVERY)]] * s["seeds"],
+            return {k: {"q": [float(size) ** 0.5 * (t + 1) for t in range(s["steps"] + 1)]} for k in ("x", "dx")}
+        if s["kind"] == "sweep":  # None: a diverged run
+            return [[size * lr * (1 + i / 100) for lr in s["lrs"][:-1]] + [None] for i in range(s["seeds"])]
+        return {"train": [[3 - size / 1000 - t / 100 + i / 1e4 for t in range(s["steps"] // mup.EVERY)]
+                          for i in range(s["seeds"])],
                 "val": [3.0] * s["seeds"]}
     return measure
 
@@ -268,9 +323,11 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
     n = sum(len(s["sizes"]) for s in mup.settings(configs.load("shakespeare_char_cpu")).values())
     assert len(done) == n
     whole = json.loads((tmp_path / "whole" / "evidence.json").read_text())
-    assert whole["results"]["lr_width"]["64"][-1] is None
+    assert whole["results"]["lr_width"]["64"][0][-1] is None
     readme = (tmp_path / "whole" / "README.md").read_text()
-    assert "| 64 | 0.00 (0.00025), loss 0.016 | 0.00 (0.00025), loss 0.016 |" in readme and "Wider is better at every" in readme
+    assert "| 64 | 0.00 ± 0.00 (0.00025), loss 0.016 ± 0.000 | 0.00 ± 0.00 (0.00025), loss 0.016 ± 0.000 |" in readme
+    assert "Wider is never worse beyond 1 sd at any logged step after warmup; better beyond 1 sd at every" in readme
+    assert "Tuned at the base width 128 and trained at width 256 with the LR best at 128" in readme
 
     out, done[:] = tmp_path / "resumed", []
     result = run(["-c", INTERRUPTED, *args, f"--out={out}"], timeout=300)
@@ -296,13 +353,31 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
         assert {f: f.read_bytes() for f in where.iterdir()} == before
 
 
+def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path, monkeypatch):
+    """`python mup.py evidence --preset=tiny`, its muP LR sweep over width (the real training at toy
+    sizes, 3 seeds, LRs and seeds vmapped in programs of 2 LRs as --preset=gpu's): the CPU dry run of what
+    the GPU ladder runs, through the same code (the coordinate check's: the test above). Its files hold
+    every size, LR and seed, and the README their means and spreads."""
+    monkeypatch.setattr(mup, "PARTS", {"lr_width": mup.PARTS["lr_width"]})
+    start = time.time()
+    mup.main(["evidence", "--preset=tiny", f"--out={tmp_path}"])
+    print(f"tiny preset, LR sweeps over width: {time.time() - start:.0f} s")
+    doc = json.loads((tmp_path / "evidence.json").read_text())
+    assert doc["seeds"] == 3 and doc["preset"] == "tiny" and doc["rules"] == mup.rules()
+    assert all(len(seeds) == 3 and len(seeds[0]) == 3 for seeds in doc["results"]["lr_width"].values())
+    readme = (tmp_path / "README.md").read_text()
+    assert "--preset=tiny" in readme and "| 32 | " in readme and "| 64 | " in readme
+    assert readme == plots.readme(doc) and "one seed per LR" not in readme
+
+
 @pytest.mark.parametrize("args, error", [(["--config.n_layers=2"], "unknown config field 'n_layers'; did you mean n_layer"),
                                          (["--config.n_head=3"], "width 64 is not a multiple of the head dim"),
                                          (["--out=TMP/FILE"], "--out=TMP/FILE cannot be written (File exists)"),
                                          (["--out=TMP/FILE/sub"], "--out=TMP/FILE/sub cannot be written"),
                                          (["--out=/proc/mugpt"], "--out=/proc/mugpt cannot be written"),
                                          (["--out="], "--out= cannot be written (empty)"),
-                                         (["--out=TMP/d"], "--out=TMP/d cannot be written (evidence.json is a directory)")])
+                                         (["--out=TMP/d"], "--out=TMP/d cannot be written (evidence.json is a directory)"),
+                                         (["--seeds=0"], "--seeds=0: at least 1")])
 def test_bad_evidence_arguments_are_one_line_errors_before_any_training(tmp_path, monkeypatch, args, error):
     """Each is refused before the first part trains (the whole takes most of an hour)."""
     def measure(*_):

@@ -117,3 +117,65 @@ def test_residual_branches_are_scaled_by_depth_base_over_L(L, depth_base):
     x = jnp.asarray(batch(mup_tiny())[0][0, 0])
     np.testing.assert_allclose(gpt(x), scaled(x), rtol=1e-4, atol=1e-4)
     assert not np.allclose(gpt(x), plain(x), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_forward_multipliers_are_alpha_in_and_alpha_out_over_m(m):
+    """At width 128 over a base of 128 / m: the embedding's output is alpha_in times its rows at every
+    width (the input layer's multiplier is constant, TP5 Table 3), and the logits are alpha_out / m times
+    the RMS-normalised final state against the readout (written out here)."""
+    cfg = mup_tiny(d_model=128, n_head=8, d_base=128 // m, alpha_in=1.5, alpha_out=2.0)
+    gpt = params.init_gpt(cfg, jax.random.key(0))
+    unembed = jax.random.normal(jax.random.key(1), gpt.emb.unembed.shape)
+    gpt = eqx.tree_at(lambda g: g.emb.unembed, gpt, unembed)
+    tokens = jnp.asarray(batch(cfg)[0][0, 0])
+    np.testing.assert_allclose(gpt.embed(tokens), 1.5 * np.asarray(gpt.emb.embed)[tokens], rtol=1e-6)
+    h = np.asarray(gpt.hidden(tokens)[0], np.float64)
+    normed = h / np.sqrt((h * h).mean(axis=-1, keepdims=True) + 1e-6)
+    want = 2.0 / m * normed @ np.asarray(unembed, np.float64).T
+    np.testing.assert_allclose(gpt.logits(jnp.asarray(h, jnp.float32)), want, rtol=1e-4, atol=1e-5)
+
+
+def adam_first_moves(before, after, lr):
+    """Each parameter's mean |step| / lr over the entries that moved (Adam's first step is
+    lr * lr_mult * sign(g) where |g| >> eps)."""
+    out = {}
+    for name, old in before.items():
+        moved = np.abs(after[name] - old)
+        out[name] = moved[moved > 0].mean() / lr
+    return out
+
+
+def test_mudd_w1_lr_is_one_over_m():
+    """MUDD's connections at m = 4: W1 (fan-in D grows, fan-out fixed: readout-like) moves by lr / m on
+    Adam's first step, W2 and b (finite in both dimensions: vector-like) by lr (params.py, TP5 Table 3).
+    W2 is made nonzero first: at init (W2 = 0) W1 has no gradient."""
+    cfg = mup_tiny(**M4D2, weight_decay=0.0, adam_eps=1e-20, connections="mudd")
+    s = train.setup(cfg, train.make_mesh(cfg))
+    gpt = eqx.tree_at(lambda g: g.emb.unembed, s.model,
+                      0.1 * jax.random.normal(jax.random.key(1), s.model.emb.unembed.shape))
+    w2 = [0.1 * jax.random.normal(jax.random.key(2 + i), c.w2.shape) for i, c in enumerate(gpt.mudd)]
+    gpt = eqx.tree_at(lambda g: [c.w2 for c in g.mudd], gpt, w2)
+    conns = lambda g: {f"{i}.{k}": np.asarray(getattr(c, k)) for i, c in enumerate(g.mudd)
+                       for k in ("w1", "w2", "b")}
+    before = conns(gpt)
+    after, _, _ = s.step(gpt, s.opt_state, *batch(cfg))  # donates gpt's arrays: before holds copies
+    for name, moved in adam_first_moves(before, conns(after), cfg.learning_rate).items():
+        assert moved == pytest.approx(1 / 4 if name.endswith("w1") else 1.0, rel=0.01), name
+
+
+def test_warmup_and_schedule_do_not_depend_on_width():
+    """warmup_steps = 4: at widths 32 and 128 (m = 1 and 4) the LR at step t is lr (t + 1) / 4 during
+    warmup, then the cosine to min_lr (written out here): muP puts the width in lr_mult alone. Through
+    the real train step, the first update of the embedding (lr_mult 1) is lr / 4 at both widths."""
+    lr, low = 1e-2, 1e-3
+    for D in (32, 128):
+        cfg = mup_tiny(d_model=D, n_head=D // 16, d_base=32, warmup_steps=4, max_steps=12,
+                       learning_rate=lr, min_lr=low, weight_decay=0.0, adam_eps=1e-20)
+        schedule = train.lr_schedule(cfg)
+        for t in range(12):
+            want = lr * (t + 1) / 4 if t < 4 else low + 0.5 * (lr - low) * (1 + math.cos(math.pi * (t - 4) / 8))
+            assert float(schedule(t)) == pytest.approx(want, rel=1e-5), (D, t)
+        before, _, after = one_step(cfg)
+        moved = adam_first_moves({"emb.embed": before["emb.embed"]}, after, lr)["emb.embed"]
+        assert moved == pytest.approx(1 / 4, rel=0.01), D

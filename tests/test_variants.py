@@ -187,3 +187,41 @@ def test_flops_per_token_count_each_variants_matrices(name):
         N += D * C * J + (C * J) ** 2 + C * J * D
     gpt = eqx.filter_eval_shape(M.GPT, cfg)
     assert params.flops_per_token(gpt, T) == 6 * N + 12 * L * H * K * T
+
+
+def test_variants_command_dry_run_at_the_tiny_size(shakespeare, tmp_path):
+    """`python variants.py --size=tiny`: the baseline and SharedKV, one seed, 2 steps, through launch.py
+    as the real sizes run (gpu's too, on one device). The command it records names no machine path
+    (--runs left out); docs/variants.md is untouched (the default --out is under runs/); one seed says
+    it has no interval."""
+    import json
+    import time
+    docs = (ROOT / "docs" / "variants.md").read_bytes()
+    start = time.time()
+    r = run(["variants.py", "--size=tiny", "--steps=2", "--seeds=0", "--variants=baseline,sharedkv",
+             f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"], timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    print(f"variants.py --size=tiny dry run: {time.time() - start:.0f} s")
+    report = json.loads((tmp_path / "out" / "tiny.json").read_text())
+    assert report["settings"]["command"] == (f"python variants.py --size=tiny --steps=2 --seeds=0 "
+                                             f"--variants=baseline,sharedkv --out={tmp_path / 'out'}")
+    assert set(report["results"]) == {"baseline", "sharedkv"} and "dirty" in report["settings"]
+    assert "(one seed: no interval)" in (tmp_path / "out" / "tiny.md").read_text()
+    assert (ROOT / "docs" / "variants.md").read_bytes() == docs
+
+
+def test_variants_table_gives_each_variant_minus_the_baseline_with_welchs_interval():
+    """The table's "minus baseline" against scipy's Welch t-test confidence interval (unequal variances),
+    an independent computation; "resolved" only when the interval excludes 0."""
+    from scipy import stats
+    import variants
+    loss = {"baseline": [1.70, 1.72, 1.69], "a": [1.60, 1.61, 1.63], "b": [1.71, 1.66, 1.74]}
+    results = {v: {str(i): {"val_loss": x, "val_loss_at": {"2": x, "4": x}, "params": 1,
+                            "flops_per_token": 1.0, "step_ms": 1.0, "kv_cache_bytes_per_token": 1}
+                    for i, x in enumerate(xs)} for v, xs in loss.items()}
+    md = variants.table(results, [0, 1, 2])
+    for v, resolved in (("a", True), ("b", False)):
+        ci = stats.ttest_ind(loss[v], loss["baseline"], equal_var=False).confidence_interval(0.95)
+        d, h = (ci.high + ci.low) / 2, (ci.high - ci.low) / 2
+        assert f"| {v} | {np.mean(loss[v]):.4f} ± {np.std(loss[v], ddof=1):.4f} | {d:+.4f} ± {h:.4f}" \
+            f"{' (resolved)' if resolved else ''} |" in md

@@ -1,11 +1,14 @@
 """Breaks one muP/CompleteP rule at a time in a copy of the repo and lists the muP tests that then
 fail: each rule must have a test that catches it (the table: issue 33's closing note).
 
-    python tools/mutate_mup.py [RULE ...] [-- PYTEST_ARGS]
+    python tools/mutate_mup.py [RULE ...] [--with_staleness] [-- PYTEST_ARGS]
 
-RULE: the names below (default: all). The copy holds the tracked files and the prepared data; the
-working tree is never edited. Each mutation must change its file exactly once, or it is reported
-as stale (the code moved on) rather than run."""
+RULE: the names in MUTATIONS (default: all; --help lists them). --with_staleness keeps
+tests/test_mup.py's staleness test, which compares the rules' fingerprint with docs' evidence.
+The copy holds the tracked files and the prepared data; the working tree is never edited. Each
+mutation must change its file exactly once, or it is reported as stale (the code moved on) rather
+than run."""
+import argparse
 import re
 import shutil
 import subprocess
@@ -43,6 +46,12 @@ MUTATIONS = {
                                        "decay = cfg.weight_decay * lr"),
     "CompleteP branch 1/d": ("model.py", "self.branch_mult = 1 / cfg.depth_mult",
                              "self.branch_mult = 1.0"),
+    "MUDD w1 LR 1/m": ("params.py", '"mudd.w1": Policy(1 / math.sqrt(D), 1 / m,',
+                       '"mudd.w1": Policy(1 / math.sqrt(D), 1.0,'),
+    "embedding multiplier alpha_in": ("model.py", "= cfg.alpha_in, cfg.alpha_out",
+                                      "= cfg.alpha_in * cfg.width_mult, cfg.alpha_out"),
+    "warmup independent of width": ("train.py", "(step + 1) / max(cfg.warmup_steps, 1)",
+                                    "(step + 1) / max(cfg.warmup_steps * cfg.width_mult, 1)"),
 }
 
 
@@ -57,18 +66,27 @@ def copy_repo(dest: Path) -> None:
     (dest / "data" / "shakespeare_char").symlink_to(ROOT / "data" / "shakespeare_char")
 
 
-def failing(dest: Path, pytest_args: list[str]) -> list[str]:
-    # the staleness test checks docs/mup, not a rule
-    skip = "--deselect=tests/test_mup.py::test_docs_mup_evidence_is_current"
+def failing(dest: Path, pytest_args: list[str], staleness: bool) -> list[str]:
+    # the staleness test compares the rules with docs' evidence: kept only when asked, so that the
+    # table shows which rule's own test catches each mutation
+    skip = [] if staleness else ["--deselect=tests/test_mup.py::test_docs_mup_evidence_is_current"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS,
-                           skip, *pytest_args], cwd=dest, capture_output=True, text=True)
+                           *skip, *pytest_args], cwd=dest, capture_output=True, text=True)
     return sorted(set(re.findall(r"^FAILED \S+::(\S+)", done.stdout, re.M)))
 
 
 def main(argv: list[str]) -> None:
-    rules, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+    argv, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
         else (argv, [])
-    for rule in rules or MUTATIONS:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="rules: " + "; ".join(MUTATIONS))
+    ap.add_argument("rules", nargs="*", metavar="RULE", help="a rule's name (default: all)")
+    ap.add_argument("--with_staleness", action="store_true",
+                    help="keep the staleness test of docs' evidence")
+    args = ap.parse_args(argv)
+    if unknown := [r for r in args.rules if r not in MUTATIONS]:
+        sys.exit(f"error: unknown rule {unknown[0]!r}; the rules: {'; '.join(MUTATIONS)}")
+    for rule in args.rules or MUTATIONS:
         path, good, bad = MUTATIONS[rule]
         with tempfile.TemporaryDirectory() as tmp:
             dest = Path(tmp)
@@ -79,7 +97,7 @@ def main(argv: list[str]) -> None:
                       flush=True)
                 continue
             (dest / path).write_text(text.replace(good, bad))
-            caught = failing(dest, pytest_args)
+            caught = failing(dest, pytest_args, args.with_staleness)
             print(f"| {rule} | {', '.join(caught) or 'NONE: no test fails'} |", flush=True)
 
 

@@ -1,5 +1,8 @@
 """The report of mup.py's evidence, made from evidence.json alone: a figure per part (matplotlib)
-and README.md, whose every number is read from the JSON; each file written whole."""
+and README.md, whose every number is read from the JSON and whose every claim is printed only when
+its numbers pass the threshold stated beside it (95% intervals over seeds); each file written
+whole. Evidence made before seeds (no "seeds" key) is read too; its README says what it lacks."""
+import copy
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -98,16 +101,60 @@ def save(fig, path: Path) -> None:
     pyplot().close(fig)
 
 
+def upgrade(doc: dict) -> dict:
+    """Evidence made before seeds (no "seeds" key: one seed per LR, coordinate checks of |x_t|
+    alone) in today's form: a sweep's row per seed, a coordinate check's {"x": ...}."""
+    if "seeds" in doc:
+        return doc
+    doc = copy.deepcopy(doc)
+    for part, s in doc["settings"].items():
+        wrap = {"sweep": lambda r: [r], "coord": lambda r: {"x": r}}.get(s["kind"], lambda r: r)
+        doc["results"][part] = {k: wrap(r) for k, r in doc["results"].get(part, {}).items()}
+    return doc
+
+
 def tables(doc: dict, part: str) -> tuple[dict, list[int]]:
     """A part's results and the sizes done, in order."""
     results = {int(k): v for k, v in doc["results"].get(part, {}).items()}
     return results, sorted(results)
 
 
-def coord_table(doc: dict, part: str) -> tuple[list[int], dict[str, np.ndarray]]:
+def coord_table(doc: dict, part: str, kind: str = "x") -> tuple[list[int], dict[str, np.ndarray]]:
+    """kind "x": mean |x_t|, "dx": mean |x_t - x_0| (none in evidence made before seeds)."""
     results, sizes = tables(doc, part)
-    names = results[sizes[0]] if sizes else {}
-    return sizes, {n: np.array([results[s][n] for s in sizes]) for n in names}
+    if not sizes or kind not in results[sizes[0]]:
+        return [], {}
+    names = results[sizes[0]][kind]
+    return sizes, {n: np.array([results[s][kind][n] for s in sizes]) for n in names}
+
+
+def mean_sd(values) -> tuple[float, float]:
+    """The mean and the sample standard deviation (nan for one value; both nan for none)."""
+    v = np.asarray([x for x in values if x is not None], dtype=float)
+    if not v.size:
+        return float("nan"), float("nan")
+    return float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else float("nan")
+
+
+def difference(a, b) -> tuple[float, float]:
+    """mean(b) - mean(a) and the half-width of its 95% interval (Welch's t; nan with fewer than
+    two values on either side): two independent sets of seeds."""
+    a, b = (np.asarray([x for x in v if x is not None], dtype=float) for v in (a, b))
+    if not (a.size and b.size):
+        return float("nan"), float("nan")
+    d = float(b.mean() - a.mean())
+    if min(a.size, b.size) < 2:
+        return d, float("nan")
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    if va + vb == 0:
+        return d, 0.0
+    from scipy import stats
+    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
+    return d, float(stats.t.ppf(0.975, df) * np.sqrt(va + vb))
+
+
+def cell(mean: float, sd: float, digits: int = 2) -> str:
+    return f"{mean:.{digits}f}" + ("" if np.isnan(sd) else f" ± {sd:.{digits}f}")
 
 
 def optimum(row) -> float | None:
@@ -125,16 +172,18 @@ def optimum(row) -> float | None:
     return i + 0.5 * (left - right) / (left - 2 * mid + right)
 
 
-def wider_is_better(doc: dict) -> tuple[int, list[tuple[int, list, list, bool]]]:
+def wider_is_better(doc: dict) -> tuple[int, list[tuple[int, list, list, bool, bool]]]:
     """The steps in a window, and per window after warmup: (its last step, the mean loss per
-    width, its seed std, whether each wider width's mean is at most the narrower's plus the
-    larger of their seed stds)."""
-    s = doc["settings"]["curves"]
+    width, its seed sd, whether each wider width is never worse beyond 1 sd (its mean at most the
+    narrower's plus the larger of their sds), whether each is better beyond 1 sd (its mean below
+    the narrower's minus the larger sd))."""
+    s = doc["settings"].get("curves")
     results, sizes = tables(doc, "curves")
-    if len(sizes) < 2:
+    if not s or len(sizes) < 2:
         return 0, []
     train = np.array([results[w]["train"] for w in sizes])  # (widths, seeds, windows)
-    mean, std = train.mean(axis=1), train.std(axis=1)
+    mean = train.mean(axis=1)
+    std = train.std(axis=1, ddof=1) if train.shape[1] > 1 else np.zeros_like(mean)
     warmup = round(s["config"]["warmup_steps"] * s["steps"] / s["config"]["max_steps"])
     every = s["steps"] // train.shape[-1]
     rows = []
@@ -142,95 +191,230 @@ def wider_is_better(doc: dict) -> tuple[int, list[tuple[int, list, list, bool]]]
         if i * every < warmup:  # the window starts inside warmup
             continue
         noise = np.maximum(std[1:, i], std[:-1, i])
-        ok = bool(np.all(mean[1:, i] <= mean[:-1, i] + noise))
-        rows.append(((i + 1) * every, mean[:, i].tolist(), std[:, i].tolist(), ok))
+        gap = mean[:-1, i] - mean[1:, i]  # > 0: the wider is lower
+        rows.append(((i + 1) * every, mean[:, i].tolist(), std[:, i].tolist(),
+                     bool(np.all(gap >= -noise)), bool(np.all(gap > noise))))
     return every, rows
 
 
+def sweep_stats(doc: dict, part: str) -> dict[int, dict]:
+    """Per size: each seed's optimum (grid steps, plots.optimum) and its best loss."""
+    out = {}
+    for size, rows in tables(doc, part)[0].items():
+        arr = [np.array([np.nan if v is None else v for v in r], dtype=float) for r in rows]
+        out[size] = {"place": [optimum(r) for r in rows],
+                     "loss": [float(np.nanmin(r)) if np.isfinite(r).any() else None for r in arr],
+                     "rows": arr}
+    return out
+
+
+def drift_claim(title: str, axis: str, sizes: list[int], stats: dict, seeds: int,
+                n_lrs: int) -> str:
+    """The optimum's drift from the smallest size to the largest, and the claim its 95% interval
+    allows: stays (within one grid step, a factor 2 of LR), moves, or not resolved. None when an
+    optimum lies at the grid's edge (it may lie beyond) or every LR diverged."""
+    first, last = stats[sizes[0]]["place"], stats[sizes[-1]]["place"]
+    span = f"over {sizes[-1] / sizes[0]:g}x {axis} ({sizes[0]} -> {sizes[-1]})"
+    if any(p is None or p in (0, n_lrs - 1) for p in first + last):
+        return (f"- {title}: an optimum {span} lies at the grid's edge (or every LR diverged): "
+                "not bracketed, so no claim about its drift.")
+    d, h = difference(first, last)
+    if seeds < 2 or np.isnan(h):
+        return (f"- {title}: drift {d:+.2f} grid steps {span}; one seed per LR; no spread: "
+                "no interval, so no claim that the optimum stays or moves.")
+    said = f"drift {d:+.2f} ± {h:.2f} grid steps (95% interval)"
+    if abs(d) + h < 1:
+        return f"- {title}: the optimum moves by less than one grid step {span}: {said}."
+    if abs(d) - h >= 1:
+        return f"- {title}: the optimum moves by one grid step or more {span}: {said}."
+    if abs(d) - h > 0:
+        return (f"- {title}: the optimum moves {span} ({said}: the interval excludes 0), "
+                "by less than one grid step or more: not resolved.")
+    return f"- {title}: not resolved {span}: {said} reaches past one grid step."
+
+
+def sp_against_mup(doc: dict, st: dict) -> list[str]:
+    """Where SP's best loss is lower than muP's (per swept width), and the user's comparison: the
+    largest width trained at the LR that is best at the base width, muP against SP."""
+    mup, sp = sweep_stats(doc, "lr_width"), sweep_stats(doc, "lr_width_sp")
+    widths = sorted(set(mup) & set(sp))  # none: a part not run
+    if not widths:
+        return []
+    seeds = min(len(mup[widths[0]]["loss"]), len(sp[widths[0]]["loss"]))
+    lines = ["### SP against muP over width", "",
+             "SP here is GPT-2's (every LR the same, alpha_out 1, the readout drawn N(0, 1/D)): it "
+             "differs from muP even at the base width. Best loss over the grid, muP minus SP (a "
+             "difference counts only when its 95% interval excludes 0):", ""]
+    lower, resolved = [], []
+    for w in widths:
+        d, h = difference(sp[w]["loss"], mup[w]["loss"])
+        lines.append(f"- width {w}: muP {cell(*mean_sd(mup[w]['loss']), 3)}, "
+                     f"SP {cell(*mean_sd(sp[w]['loss']), 3)}, muP - SP {cell(d, h, 3)}")
+        lower.append("SP" if d > 0 else "muP" if d < 0 else "neither")
+        resolved.append(abs(d) > h)  # False for nan: one seed
+    lines.append("")
+    for who in ("SP", "muP"):
+        if seeds < 2 and all(x == who for x in lower):
+            lines.append(f"{who} has the lower loss at every swept width (one seed per LR; no "
+                         "spread).")
+        elif all(x == who for x in lower):
+            beyond = ", ".join(str(w) for w, r in zip(widths, resolved) if r) or "none"
+            if all(resolved):
+                beyond = "every one"
+            lines.append(f"{who} has the lower mean loss at every swept width; beyond the 95% "
+                         f"interval at: {beyond}.")
+    if len(set(lower)) > 1:
+        at = lambda who: ", ".join(str(w) for w, x in zip(widths, lower) if x == who) or "none"
+        lines.append(f"The lower mean loss: SP at widths {at('SP')}; muP at {at('muP')}.")
+    base, top = st["lr_width"]["config"]["d_model"], widths[-1]
+    lrs = st["lr_width"]["lrs"]
+    if base in widths and top != base:
+        picks = {}
+        for name, stats in (("muP", mup), ("SP", sp)):
+            # the mean over seeds; an LR where any seed diverged counts as diverged
+            i = int(np.nanargmin(np.stack(stats[base]["rows"]).mean(axis=0)))
+            picks[name] = (lrs[i], [float(r[i]) if np.isfinite(r[i]) else None
+                                    for r in stats[top]["rows"]])
+        d, h = difference(picks["SP"][1], picks["muP"][1])
+        if seeds < 2 or np.isnan(h):
+            verdict = "one seed per LR; no spread: no claim which is better"
+        elif abs(d) <= h:
+            verdict = "the 95% interval includes 0: neither is better"
+        else:
+            verdict = f"{'SP' if d > 0 else 'muP'} is better (the 95% interval excludes 0)"
+        lines += ["", f"Tuned at the base width {base} and trained at width {top} with the LR "
+                  f"best at {base} (the grid point of the lowest mean loss): muP "
+                  f"{cell(*mean_sd(picks['muP'][1]), 3)} at LR {picks['muP'][0]:.3g}, SP "
+                  f"{cell(*mean_sd(picks['SP'][1]), 3)} at LR {picks['SP'][0]:.3g}; muP - SP "
+                  f"{cell(d, h, 3)}: {verdict}."]
+    return lines + [""]
+
+
+def coord_rows(doc: dict, st: dict) -> list[str]:
+    lines = []
+    for part in (p for p in st if st[p]["kind"] == "coord"):
+        s, cells = st[part], []
+        for kind in ("x", "dx"):
+            sizes, table = coord_table(doc, part, kind)
+            fitted = [(abs(v), n, t) for n, vs in slopes(sizes, table).items()
+                      for t, v in enumerate(vs) if t and v is not None] if len(sizes) > 1 else []
+            cells.append("{:.3f} ({}, step {})".format(*max(fitted)) if fitted else
+                         "not measured" if kind not in doc["results"].get(part, {}).get(
+                             str(s["sizes"][0]), {"x": 0}) else "")
+        readout = "zero" if not s.get("readout") and s["model"] != "sp" else "N(0, 1/(D/m))"
+        lines.append(f"| {part} | {TITLES[s['model']]} | {s['axis']} "
+                     f"{','.join(map(str, s['sizes']))} | {s['steps']} x {s['seeds']} | "
+                     f"{s['lrs'][0]:.3g} | {readout} | {cells[0]} | {cells[1]} |")
+    return lines
+
+
 def readme(doc: dict) -> str:
-    """DIR/README.md: every number from the JSON."""
+    """DIR/README.md: every number from the JSON, every claim computed with its threshold."""
+    legacy, doc = "seeds" not in doc, upgrade(doc)
     st = doc["settings"]
+    preset = f" --preset={doc['preset']}" if doc.get("preset", "cpu") != "cpu" else ""
+    seeds = f" --seeds={doc['seeds']}" if doc.get("seeds", 3) != 3 else ""
     lines = [f"# muP evidence: {doc['config_name']}", "",
-             f"Made by `python mup.py evidence --out=DIR --config={doc['config_name']}"
-             f"{''.join(' ' + o for o in doc['overrides'])}` at commit "
-             f"{doc['commit']}{' (with uncommitted changes)' * doc['dirty']}. Generated from "
-             "evidence.json, which holds each part's full settings: do not edit, rerun. "
-             "Method and reading: ../mup.md.", ""]
+             f"Made by `python mup.py evidence --out=DIR{preset}{seeds} "
+             f"--config={doc['config_name']}{''.join(' ' + o for o in doc['overrides'])}` at "
+             f"commit {doc['commit']}. Generated from evidence.json, which holds each part's full "
+             "settings: do not edit, rerun. Method and reading: ../mup.md.", ""]
+    if doc["dirty"]:
+        lines += ["**Made from a tree with uncommitted changes: the commit alone does not "
+                  "reproduce it.**", ""]
+    if legacy:
+        lines += ["**Made before seeds: one seed per LR; no spread.** Each LR sweep ran one "
+                  "initial model on one batch order, so no optimum below has an error bar and no "
+                  "drift an interval; the coordinate checks measured |x_t| alone, at the training "
+                  "LR, from a zero readout under muP; the curves' seeds shared their batches. "
+                  "Remake with the command above (3 seeds) for the claims with intervals.", ""]
     done = sum(len(doc["results"].get(p, {})) for p in st)
     if done < (total := sum(len(st[p]["sizes"]) for p in st)):
         lines += [f"**Incomplete: {done} of {total} sizes measured.** Rerun the command to finish "
                   "(it resumes).", ""]
     lines += ["## Coordinate checks", "",
-             "Least-squares slope of log2 mean|x| against log2 size, over every activation; "
-             "|slope| near 0 is flat.", "",
-             "| part | model | sizes | steps x seeds | largest \\|slope\\| after step 0 | at |",
-             "|---|---|---|---|---|---|"]
-    for part in (p for p in st if st[p]["kind"] == "coord"):
-        sizes, table = coord_table(doc, part)
-        if len(sizes) < 2:
-            continue
-        fitted = [(abs(v), n, t) for n, vs in slopes(sizes, table).items()
-                  for t, v in enumerate(vs) if t and v is not None]
-        worst, name, t = max(fitted)
-        lines.append(f"| {part} | {TITLES[st[part]['model']]} | {st[part]['axis']} "
-                     f"{','.join(map(str, sizes))} | {st[part]['steps']} x {st[part]['seeds']} "
-                     f"| {worst:.3f} | {name}, step {t} |")
+              "Least-squares slope of log2 mean|x_t| and of log2 mean|x_t - x_0| against log2 "
+              "size, the largest over activations and steps after step 0; |slope| near 0 is flat.",
+              "", "| part | model | sizes | steps x seeds | LR | readout at init | "
+              "largest \\|slope\\|, \\|x_t\\| | largest \\|slope\\|, \\|x_t - x_0\\| |",
+              "|---|---|---|---|---|---|---|---|"] + coord_rows(doc, st)
     lines += ["", "## Learning-rate sweeps", "",
-              "Per size: the best LR's place on the grid (0 = the first LR below), between grid "
-              "points (the LR there; plots.optimum: the parabola through the best LR and its "
-              "neighbours), and the validation loss there. Drift: the largest minus the smallest place, in grid "
-              "steps (factors of 2), and whether it moves one way as the size grows.", ""]
+              "Per size: the best LR's place on the grid (0 = the first LR below; between grid "
+              "points, plots.optimum: the parabola through the best LR and its neighbours), mean "
+              "± sd over seeds, the LR there, and the best validation loss, mean ± sd. Drift: "
+              "the "
+              "largest size's place minus the smallest's, with its 95% interval (Welch's t over "
+              "seeds). The optimum is said to stay when that interval lies within ±1 grid step (a "
+              "factor 2 in LR), to move when it lies beyond.", ""]
     for axis in ("width", "depth"):
         parts = [p for p in st if st[p]["kind"] == "sweep" and st[p]["axis"] == axis]
+        if not parts:
+            continue
         lrs = st[parts[0]]["lrs"]
-        lines += [f"Grid: {', '.join(f'{lr:.3g}' for lr in lrs)}; {st[parts[0]]['steps']} steps.",
+        lines += [f"Grid: {', '.join(f'{lr:.3g}' for lr in lrs)}; {st[parts[0]]['steps']} steps; "
+                  f"{st[parts[0]]['seeds']} seed(s).",
                   "", f"| {axis} | " + " | ".join(TITLES[st[p]["model"]] for p in parts) + " |",
                   "|---|" + "---|" * len(parts)]
-        results = {p: tables(doc, p)[0] for p in parts}
-        places = {p: {s: optimum(r) for s, r in results[p].items()} for p in parts}
-        for size in sorted({s for r in results.values() for s in r}):
+        stats = {p: sweep_stats(doc, p) for p in parts}
+        for size in sorted({s for r in stats.values() for s in r}):
             cells = []
             for p in parts:
-                place, row = places[p].get(size), results[p].get(size)
-                cells.append("" if row is None else "diverged" if place is None else
-                             f"{place:.2f} ({lrs[0] * 2**place:.2g}), "
-                             f"loss {np.nanmin(np.array(row, dtype=float)):.3f}")
+                if size not in stats[p]:
+                    cells.append("")
+                    continue
+                place, loss = mean_sd(stats[p][size]["place"]), mean_sd(stats[p][size]["loss"])
+                cells.append("diverged" if np.isnan(place[0]) else
+                             f"{cell(*place)} ({lrs[0] * 2**place[0]:.2g}), loss {cell(*loss, 3)}")
             lines.append(f"| {size} | " + " | ".join(cells) + " |")
-        drift = []
+        lines.append("")
         for p in parts:
-            found = [v for _, v in sorted(places[p].items()) if v is not None] or [0.0]
-            steps = np.diff(found)
-            way = "one way" if np.all(steps < 0) or np.all(steps > 0) else "not one way"
-            drift.append(f"{np.ptp(found):.2f} steps, {way}")
-        lines += ["| drift | " + " | ".join(drift) + " |", ""]
+            sizes = sorted(stats[p])
+            if len(sizes) > 1:
+                lines.append(drift_claim(TITLES[st[p]["model"]], axis, sizes, stats[p],
+                                         st[p]["seeds"], len(lrs)))
+        lines.append("")
+    lines += sp_against_mup(doc, st)
     every, rows = wider_is_better(doc)
     if rows:
         widths = tables(doc, "curves")[1]
-        lines += ["## Wider is better", "", f"Train loss at the base LR, mean over "
-                  f"{st['curves']['seeds']} seeds (+- their std) of each {every} "
-                  "steps, after warmup; ok: each wider width's mean <= the narrower's + the larger "
-                  "std.", "", "| step | " + " | ".join(f"width {w}" for w in widths) + " | ok |",
-                  "|---|" + "---|" * (len(widths) + 1)]
-        for step, mean, std, ok in rows:
-            cells = " | ".join(f"{m:.3f} +- {s:.3f}" for m, s in zip(mean, std))
-            lines.append(f"| {step} | {cells} | {'yes' if ok else 'NO'} |")
-        verdict = "at every" if all(r[3] for r in rows) else "NOT at every"
-        lines += ["", f"Wider is better {verdict} logged step after warmup.", ""]
+        lines += ["## Wider is better?", "", f"Train loss at the base LR, mean ± sd over "
+                  f"{st['curves']['seeds']} seeds of each {every} steps, after warmup. Never "
+                  "worse: each wider width's mean <= the narrower's + the larger sd; better: each "
+                  "wider width's mean < the narrower's - the larger sd.", "",
+                  "| step | " + " | ".join(f"width {w}" for w in widths) + " | never worse | "
+                  "better |", "|---|" + "---|" * (len(widths) + 2)]
+        for step, mean, std, ok, better in rows:
+            cells = " | ".join(cell(m, s, 3) for m, s in zip(mean, std))
+            lines.append(f"| {step} | {cells} | {'yes' if ok else 'NO'} | "
+                         f"{'yes' if better else 'no'} |")
+        worse = [r[0] for r in rows if not r[3]]
+        after = next((r[0] for i, r in enumerate(rows) if all(x[4] for x in rows[i:])), None)
+        lines += ["", ("Wider is never worse beyond 1 sd at any logged step after warmup"
+                       if not worse else "Wider is worse beyond 1 sd at steps "
+                       + ", ".join(map(str, worse)))
+                  + (f"; better beyond 1 sd at every logged step from step {after}."
+                     if after else "; not better beyond 1 sd at the last logged step."), ""]
     lines += ["## Figures", ""] + [f"![{p}]({p}.png)" for p in st if p in doc["results"]]
     return "\n".join(lines) + "\n"
 
 
 def write(out: Path, doc: dict, part: str) -> None:
     """The figure of one part and README.md."""
+    raw, doc = doc, upgrade(doc)
     s = doc["settings"][part]
     title = f"{doc['config_name']}, {TITLES[s['model']]}"
     if s["kind"] == "coord":
         sizes, table = coord_table(doc, part)
-        plot = lambda p: coord(p, s["axis"], sizes, table, f"{title}: mean |x|, {s['steps']} steps")
+        moved = coord_table(doc, part, "dx")[1]
+        table = {**table, **{f"{n} - at 0": v for n, v in moved.items()}}
+        plot = lambda p: coord(p, s["axis"], sizes, table,
+                               f"{title}: mean |x_t| and |x_t - x_0|, {s['steps']} steps")
     elif s["kind"] == "sweep":
         results, _ = tables(doc, part)
-        loss = {k: np.array([np.nan if v is None else v for v in r]) for k, r in results.items()}
-        plot = lambda p: transfer(p, s["axis"], loss, s["lrs"], f"{title}, {s['steps']} steps")
+        loss = {k: np.array([[np.nan if v is None else v for v in row] for row in r],
+                            dtype=float).mean(axis=0) for k, r in results.items()}
+        plot = lambda p: transfer(p, s["axis"], loss, s["lrs"],
+                                  f"{title}, {s['steps']} steps, mean of {s['seeds']} seed(s)")
     else:
         results, _ = tables(doc, part)
         train = {w: np.array(r["train"]) for w, r in results.items()}
@@ -238,7 +422,7 @@ def write(out: Path, doc: dict, part: str) -> None:
         steps = every * np.arange(1, s["steps"] // every + 1)
         plot = lambda p: curves(p, steps, train, f"{title}, LR {s['lrs'][0]:g}")
     write_atomic(out / f"{part}.png", plot)
-    write_atomic(out / "README.md", lambda p: p.write_text(readme(doc)))
+    write_atomic(out / "README.md", lambda p: p.write_text(readme(raw)))
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -16,6 +16,9 @@ from inference import decode
 from params import init_gpt
 from run.checkpoint import checkpoint_manager, restore_checkpoint
 
+# train.loss_fn's objective, jitted: with keys (as the step calls it) or without (evaluation)
+objective = eqx.filter_jit(lambda *args: train.loss_fn(*args)[0])
+
 RATE = 0.5
 
 
@@ -100,14 +103,14 @@ def test_each_sequence_step_and_seed_has_its_own_mask():
     model = random_arrays(init_gpt(cfg, jax.random.key(0)))
     x = np.repeat(batch(cfg)[0][:, :1], cfg.batch_size, axis=1)  # one sequence in every row
     y = np.roll(x, -1, axis=-1)
-    loss = lambda c, step, rows=slice(None): float(train.eval_loss(
+    loss = lambda c, step, rows=slice(None): float(objective(
         model, x[0, rows], y[0, rows], c, train.dropout_keys(c, step, x)[0, rows]))
     base = loss(cfg, 3)
     assert base == loss(cfg, 3)
     assert base != loss(cfg, 4) and base != loss(dataclasses.replace(cfg, seed=1), 3)
     assert len({loss(cfg, 3, slice(i, i + 1)) for i in range(cfg.batch_size)}) == cfg.batch_size
-    assert float(train.eval_loss(model, x[0], y[0], cfg)) == float(
-        train.eval_loss(model, x[0], y[0], tiny()))
+    assert float(objective(model, x[0], y[0], cfg)) == float(
+        objective(model, x[0], y[0], tiny()))
 
 
 def test_evaluation_sampling_and_the_model_call_do_not_drop(shakespeare):

@@ -17,7 +17,9 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_mup_rules.py", "tests/test_mup.py"]
+TESTS = ["tests/test_mup_rules.py", "tests/test_mup.py",
+         "tests/test_optimizers.py::test_muon_update_spectral_norm_is_constant_over_width",
+         "tests/test_optimizers.py::test_lion_takes_adams_mup_learning_rates"]
 READOUT_EPS = 'spec=(None, "fsdp"), eps_mult=1 / m),\n        # hidden'  # the readout's row
 # rule: (file, the correct text, the broken text)
 MUTATIONS = {
@@ -39,19 +41,24 @@ MUTATIONS = {
                                    "decay=True, eps_mult=1.0)"),
     "Adam eps 1/m outside blocks (readout)": ("params.py", READOUT_EPS,
                                               READOUT_EPS.replace("1 / m", "1.0")),
-    "weight decay independent of lr_mult": ("train.py", "(decay * p if policy.decay",
+    "weight decay independent of lr_mult": ("optimizers.py", "(decay * p if policy.decay",
                                             "(decay * policy.lr_mult * p if policy.decay"),
-    "weight decay independent of lr": ("train.py",
+    "weight decay independent of lr": ("optimizers.py",
                                        "decay = cfg.weight_decay * lr / cfg.learning_rate",
                                        "decay = cfg.weight_decay * lr"),
-    "CompleteP branch 1/d": ("model.py", "self.branch_mult = 1 / cfg.depth_mult",
-                             "self.branch_mult = 1.0"),
+    "CompleteP branch 1/d": ("model.py", "self.dropout_rate = 1 / cfg.depth_mult,",
+                             "self.dropout_rate = 1.0,"),
     "MUDD w1 LR 1/m": ("params.py", '"mudd.w1": Policy(1 / math.sqrt(D), 1 / m,',
                        '"mudd.w1": Policy(1 / math.sqrt(D), 1.0,'),
     "embedding multiplier alpha_in": ("model.py", "= cfg.alpha_in, cfg.alpha_out",
                                       "= cfg.alpha_in * cfg.width_mult, cfg.alpha_out"),
-    "warmup independent of width": ("train.py", "(step + 1) / max(cfg.warmup_steps, 1)",
+    "warmup independent of width": ("optimizers.py", "(step + 1) / max(cfg.warmup_steps, 1)",
                                     "(step + 1) / max(cfg.warmup_steps * cfg.width_mult, 1)"),
+    # Muon's rules (docs/optimizers.md): hidden LR 1/sqrt(m), the update's RMS matched by sqrt(max)
+    "Muon hidden LR 1/sqrt(m)": ("params.py", 'hidden["lr_mult"] = 1 / math.sqrt(m)',
+                                 'hidden["lr_mult"] = 1 / m'),
+    "Muon update RMS sqrt(max(R, C))": ("optimizers.py", "math.sqrt(max(R, C))",
+                                        "math.sqrt(min(R, C))"),
 }
 
 

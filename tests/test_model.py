@@ -146,8 +146,9 @@ def test_loss_at_init_is_log_vocab():
 
 @pytest.mark.parametrize("loss_chunks", [1, 2])
 def test_loss_of_a_random_model_is_numpys_cross_entropy(loss_chunks):
-    """Every parameter random (the readout too, and its multiplier 1.5): train.loss_fn is the mean
-    over the batch of -log softmax(numpy_forward's logits)[target], padded vocabulary included."""
+    """Every parameter random (the readout too, and its multiplier 1.5): train.loss_fn's
+    cross-entropy (and objective, the same without added terms) is the mean over the batch of
+    -log softmax(numpy_forward's logits)[target], padded vocabulary included."""
     import train
     cfg = tiny(n_layer=2, d_model=16, n_head=2, loss_chunks=loss_chunks, alpha_out=1.5)
     gpt = random_gpt(cfg)
@@ -158,8 +159,8 @@ def test_loss_of_a_random_model_is_numpys_cross_entropy(loss_chunks):
         logits = numpy_forward(gpt, cfg, xb).astype(np.float64)
         logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
         want.append(logz - logits[np.arange(12), yb])
-    got = float(train.loss_fn(gpt, jnp.asarray(x), jnp.asarray(y), cfg))
-    assert got == pytest.approx(float(np.mean(want)), rel=1e-4)
+    objective, got = map(float, train.loss_fn(gpt, jnp.asarray(x), jnp.asarray(y), cfg))
+    assert got == objective == pytest.approx(float(np.mean(want)), rel=1e-4)
     assert abs(got - math.log(cfg.model_vocab)) > 0.5  # not the uniform loss of a zero readout
 
 

@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -357,8 +358,11 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
     # the code that measured: this process's, before any training (the file's if nothing is left);
     # a dirty tree is labelled in the JSON and the README
     commit = rundir.git_state() if todo else {k: old[k] for k in ("commit", "dirty")}
-    for part, size in todo + [(None, None)]:  # the last round writes every figure
+    start = time.monotonic()
+    for done, (part, size) in enumerate(todo + [(None, None)]):  # the last writes every figure
         if part:
+            print(f"[{done + 1}/{len(todo)}] {part}, {parts[part]['axis']} {size}: training "
+                  f"{len(parts[part].get('lrs', [0]))} LR(s) x {seeds} seed(s)", flush=True)
             results.setdefault(part, {})[size] = measure(parts[part], size,
                                                          PRESETS[preset].lrs_per_program)
         doc = {"config_name": name, "overrides": overrides, "preset": preset, "seeds": seeds,
@@ -368,8 +372,11 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
         for p in [part] if part else doc["results"]:
             plots.write(out, doc, p)
         plots.write_atomic(out / "evidence.json", lambda p: p.write_text(json.dumps(doc, indent=1)))
-        if part:
-            print(f"{part}, {parts[part]['axis']} {size}: done", flush=True)
+        if part:  # sizes differ in cost: the estimate is the mean so far times those left
+            spent = time.monotonic() - start
+            left = spent / (done + 1) * (len(todo) - done - 1)
+            print(f"[{done + 1}/{len(todo)}] {part}, {parts[part]['axis']} {size}: done; "
+                  f"{spent / 60:.1f} min so far, about {left / 60:.0f} min left", flush=True)
     print(f"all parts done: {out}/README.md")
 
 

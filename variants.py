@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -68,9 +69,13 @@ def train_run(rundir: Path, args: list[str], size: str) -> None:
     env = {**os.environ, **({"JAX_NUM_CPU_DEVICES": "2"} if cpu else {})}
     cmd = [sys.executable, "launch.py", "--config=shakespeare_char_cpu",
            f"--config.mesh_replica={2 if cpu else 1}", f"--rundir={rundir}", *args]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    rundir.mkdir(parents=True, exist_ok=True)
+    log = rundir / "launch.log"  # the child's progress bar and lines: tail -f it to follow
+    print(f"  training: tail -f {log}", flush=True)
+    with log.open("w") as f:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
     if r.returncode:
-        sys.exit(f"error: {' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+        sys.exit(f"error: {' '.join(cmd)} failed:\n{log.read_text()[-2000:]}")
 
 
 def measure(rundir: Path, args: list[str]) -> dict:
@@ -157,11 +162,15 @@ def main(argv: list[str] | None = None) -> None:
     if unknown := [n for n in names if n not in VARIANTS]:
         sys.exit(f"error: unknown variant {unknown[0]!r}; the variants: {', '.join(VARIANTS)}")
     results = {variant: {} for variant in names}
+    n, start = len(seeds) * len(names), time.monotonic()
     for seed in seeds:  # every variant's first seed first: an early stop still compares them all
         for variant in names:
             run_args = overrides(args.size, variant, seed, args.steps)
             rundir = ROOT / args.runs / args.size / variant / f"s{seed}"
-            print(f"{variant} seed {seed}: {rundir}", flush=True)
+            k = sum(map(len, results.values()))  # runs done so far
+            left = (time.monotonic() - start) / k * (n - k) / 60 if k else None
+            eta = f", about {left:.0f} min left" if k else ""
+            print(f"[{k + 1}/{n}] {variant} seed {seed}: {rundir}{eta}", flush=True)
             train_run(rundir, run_args, args.size)
             results[variant][str(seed)] = measure(rundir, run_args)
     results = json.loads(json.dumps(results))  # the lengths' keys as the file will hold them

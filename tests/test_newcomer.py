@@ -56,3 +56,16 @@ def test_the_end_of_a_run_says_where_it_is_and_a_gpu_recipe_on_a_cpu_says_so(sha
     assert "computes in bfloat16, for GPUs and TPUs: on a CPU it is slow" in r.stdout
     assert (f"done: the checkpoints are in {rundir / 'checkpoints'}; read the run with "
             f"python sample.py --rundir={rundir}") in r.stdout
+
+
+def test_plots_remakes_an_evidence_folder_and_has_help(tmp_path):
+    """python -m tools.plots DIR: the README that docs/mup holds, remade from its JSON alone."""
+    import shutil
+
+    assert "evidence.json" in run(["-m", "tools.plots", "--help"]).stdout
+    shutil.copy(ROOT / "docs/mup/evidence.json", tmp_path / "evidence.json")
+    r = run(["-m", "tools.plots", str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "README.md").read_text() == (ROOT / "docs/mup/README.md").read_text()
+    r = run(["-m", "tools.plots", str(tmp_path / "none")])
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr

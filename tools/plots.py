@@ -445,3 +445,27 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
                        "the file is as it was") from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m tools.plots DIR: DIR's figures and README.md remade from its evidence.json (after a
+    change of wording here, say), without training anything."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("dir", help="a folder that `python mup.py evidence --out=DIR` wrote")
+    out = Path(ap.parse_args(argv).dir)
+    try:
+        doc = json.loads((out / "evidence.json").read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: {out}/evidence.json: {getattr(e, 'strerror', None) or e}: pass a "
+                 "folder that mup.py evidence wrote")
+    for part in doc["results"]:
+        write(out, doc, part)
+    print(f"{out}/README.md and its figures remade from evidence.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -32,6 +32,9 @@ from run.errors import RunError, UsageError
 from run.metrics import Logger, Tally, peak_flops
 from text import tokenization
 
+# --------------------------------------------------------------------------------------------------
+# The mesh: (replica, fsdp) over the devices
+
 BATCH_SPEC = P(None, ("replica", "fsdp"), None)  # (G, B, T): B split over all the devices
 
 
@@ -53,6 +56,9 @@ def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
                                                 allow_split_physical_axes=True)
     return jax.sharding.Mesh(grid, ("replica", "fsdp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
+
+# --------------------------------------------------------------------------------------------------
+# The objective and the jitted train step
 
 def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config,
             keys_B: jax.Array | None = None) -> tuple[jax.Array, ...]:
@@ -169,6 +175,9 @@ def dropout_keys(cfg: Config, step, x_GBT: jax.Array, replicas: int = 1) -> jax.
     step_key = jax.random.fold_in(jax.random.key(cfg.seed), step)
     return jax.vmap(jax.vmap(lambda i: jax.random.fold_in(step_key, i)))(rows_GB)
 
+
+# --------------------------------------------------------------------------------------------------
+# Evaluation, setup and the loop
 
 def evaluate(model: GPT, cfg: Config, train_tokens, val_tokens, mesh) -> dict[str, float]:
     """Mean cross-entropy over eval_batches fixed microbatches of each split (the same ones every
@@ -289,9 +298,11 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
         last = log_eval(0, None) if start == 0 else None
         with stop_signals() as caught:
             for step in range(start, end):
+                # profile (--debug)
                 if debug and step == min(start + 5, cfg.max_steps - 1):
                     jax.profiler.start_trace(str(rundir / "profile"))
                 done = step + 1
+                # read the batch of this step, take the step
                 x, y = data.global_batch(train_tokens, cfg.seed, data.TRAIN, step, batch_sharding,
                                          batch_shape)
                 model, opt_state, metrics = step_fn(model, opt_state, x, y, step)
@@ -301,11 +312,13 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
                     jax.profiler.stop_trace()
                     say(f"--debug: the profile of the steps to {done} is in {rundir / 'profile'}; "
                         "stopping, nothing saved")
-                if t0 is None:  # time from the end of the first step: compilation is not counted
+                # time from the end of the first step: compilation is not counted
+                if t0 is None:
                     jax.block_until_ready(metrics)
                     t0, t0_step = time.perf_counter(), done
-                # JAX's preemption sync point must be asked about at every step (first)
+                # preemption or a signal: JAX's sync point must be asked at every step
                 stop = (jax.process_count() > 1 and mngr.reached_preemption(done)) or bool(caught)
+                # log the step metrics
                 if done % cfg.log_interval == 0 or done == cfg.max_steps:
                     record = tally.record(done)  # the only host sync between evaluations and saves
                     tokens = (done - t0_step) * cfg.batch_size * cfg.block_size
@@ -320,11 +333,14 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
                                     mfu=f"{mfu:.1%}" if mfu else "n/a", refresh=False)
                     bar.update(done - bar.n)
                     tally.check(done)
+                # evaluate: losses, downstream tasks, a text sample
                 if done % cfg.eval_interval == 0 or done == cfg.max_steps:
                     last = log_eval(done, tokens_per_s)
                     t0, t0_step = time.perf_counter(), done  # evaluation is not training throughput
+                # save a checkpoint
                 if not debug and (done % cfg.ckpt_interval == 0 or done == cfg.max_steps or stop):
                     save(done)
+                # stop on a signal or preemption, saved
                 if stop:
                     what = signal.Signals(caught[0]).name if caught else "preemption"
                     then = "checkpoint saved; run the same command to resume"

@@ -11,11 +11,12 @@ the working tree is never edited. Each edit must match its file exactly once, or
 reported as stale (the code moved on) rather than run."""
 import argparse
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from mutate_mup import copy_repo  # the same copy of the repo: tracked files and the data
 
 ROOT = Path(__file__).resolve().parents[1]
 N_TOKENS = "            global N_TOKENS\n            N_TOKENS = m.sum(1)\n"
@@ -83,17 +84,6 @@ MUTATIONS = {
                       "self.scale, self.kv_heads, self.alibi = cfg.attn_scale / 2, G")],
         ["tests/test_model.py::test_the_model_is_differentiable_on_one_unbatched_sequence"]),
 }
-
-
-def copy_repo(dest: Path) -> None:
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True,
-                           check=True).stdout.split("\0")
-    for name in filter(None, files):
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-    (dest / "data").mkdir(exist_ok=True)
-    (dest / "data" / "shakespeare_char").symlink_to(ROOT / "data" / "shakespeare_char")
 
 
 def failing(dest: Path, tests: list[str], pytest_args: list[str]) -> list[str]:

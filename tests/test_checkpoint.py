@@ -383,8 +383,9 @@ def test_the_run_keeps_its_dataset_record(shakespeare, tmp_path, env):
     assert {name: (rundir / name).read_text() for name in before} == before
     assert committed_steps(rundir) == [4]
     # before its first checkpoint a run directory takes the dataset as it is now (a launch that
-    # failed early)
+    # failed early: no checkpoint, and none recorded as saved)
     shutil.rmtree(rundir / "checkpoints")
+    (rundir / "checkpoints.json").unlink()
     args = launch_args(rundir, "--config.max_steps=4", f"--config.data_root={data_root}")
     assert run(args, env).returncode == 0
     assert json.loads((rundir / "dataset.json").read_text()) == meta

@@ -79,14 +79,15 @@ def main(argv: list[str] | None = None) -> None:
             data.load_split(cfg, "train"), data.load_split(cfg, "val")
             params.check(cfg)  # an edited model.py's parameter without a policy row, say
             # Process 0 checks and writes the run directory; the others only train in it.
-            rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart)
+            rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart,
+                                        saves=not args.debug)
                             if jax.process_index() == 0 else (epath.Path(args.rundir), None))
             if jax.default_backend() == "cpu" and cfg.compute_dtype == "bfloat16":
                 print(f"note: {args.config} computes in bfloat16, for GPUs and TPUs: on a CPU it "
                       "is slow (the CPU recipe: --config=shakespeare_char_cpu, float32)")
             try:
                 done = train.train(cfg, rundir, debug=args.debug)
-                if done is not None and jax.process_index() == 0:
+                if done is not None and not args.debug and jax.process_index() == 0:
                     print(f"done: the checkpoints are in {rundir / 'checkpoints'}; read the run "
                           f"with python sample.py --rundir={rundir}")
             except checkpoint.NothingToResume:  # a refused launch leaves the run as it was

@@ -90,13 +90,14 @@ def read_json(path: epath.Path) -> dict:
     return out
 
 
-def open_rundir(path: str | None, config_name: str, cfg: Config,
-                restart: bool = False) -> tuple[epath.Path, Callable[[], None]]:
+def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool = False,
+                saves: bool = True) -> tuple[epath.Path, Callable[[], None]]:
     """The run directory (default runs/CONFIG_NAME-TIMESTAMP) with config.json and run.json, locked
     for this launch, and a function that puts back the files it wrote as they were (train.py may
     still refuse the run: launch.py calls it then). One that holds a run is resumed; if it cannot
     be, nothing is written. restart: a run whose checkpoints are all lost trains from step 0, its
-    logs and record of checkpoints kept aside."""
+    logs and record of checkpoints kept aside. saves False (--debug): no room is needed for a
+    checkpoint."""
     import data  # not at the top: it loads numpy, and a typo should not wait for that
     rundir = epath.Path(path or f"runs/{config_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -108,7 +109,8 @@ def open_rundir(path: str | None, config_name: str, cfg: Config,
             run = {"config_name": config_name, **launch}
         meta = data.read_meta(cfg)
         check_dataset(rundir, meta, data.data_dir(cfg))
-        check_space(rundir, cfg)
+        if saves:
+            check_space(rundir, cfg)
         before = {n: (rundir / n).read_bytes() if (rundir / n).exists() else None for n in names}
         rundir.mkdir(parents=True, exist_ok=True)
         lock_rundir(rundir)

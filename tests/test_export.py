@@ -212,7 +212,7 @@ def test_left_padded_batch_generates_as_each_prompt_alone(name, tmp_path):
 # The self-check: research edits of model.py that hf/modeling_mugpt.py does not follow
 
 
-def parallel_block(self, xs_TD, at, cache=None):
+def parallel_block(self, xs_TD, at, cache=None, key=None):
     """GPT-J's parallel block: attention and MLP read the same input (a block computed
     differently)."""
     (x_TD,) = xs_TD

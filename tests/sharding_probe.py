@@ -41,7 +41,7 @@ def compiled_step() -> tuple[dict, dict, str]:
     batch = jax.device_put((x, x), NamedSharding(mesh, train.BATCH_SPEC))
     jitted = inspect.getclosurevars(s.step).nonlocals["jitted"]  # the jax.jit inside the step
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the step traces it
-        return specs, shapes, jitted.lower(arrays, s.opt_state, *batch).compile().as_text()
+        return specs, shapes, jitted.lower(arrays, s.opt_state, *batch, 0).compile().as_text()
 
 
 def collectives(hlo: str) -> list[dict]:

@@ -1,8 +1,5 @@
 """The train step and the loop: mesh and FSDP shardings, evaluation, logging; the optimizer is
-optimizers.py's.
-
-Shapes as in model.py, plus G microbatches per step.
-"""
+optimizers.py's. Shapes as in model.py, plus G microbatches per step."""
 import dataclasses
 import functools
 import math
@@ -62,12 +59,11 @@ def make_mesh(cfg: Config, devices: list | None = None) -> jax.sharding.Mesh:
 
 def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config,
             keys_B: jax.Array | None = None) -> tuple[jax.Array, ...]:
-    """(The objective autodiff trains on, the next-token cross-entropy): means in float32 over a
-    batch from one readout. Logged is the cross-entropy (loss/...), comparable between runs; a
-    term added to the objective (a z-loss) trains the model and is logged as objective/....
-    cfg.loss_chunks > 1 takes the readout a group of sequences at a time, recomputed in the
-    backward pass (jax.checkpoint), so the float32 (B, T, V) logits never exist whole. keys_B: the
-    sequences' dropout keys (None: no dropout, as in evaluation)."""
+    """(The objective autodiff trains on, the next-token cross-entropy), float32 means over a batch
+    from one readout. Logged is the cross-entropy (loss/...); a term added to the objective (a
+    z-loss) trains the model and is logged as objective/.... loss_chunks > 1 takes the readout a
+    group of sequences at a time, recomputed in the backward pass (jax.checkpoint): the float32
+    (B, T, V) logits never exist whole. keys_B: dropout's, per sequence (None: no dropout)."""
     chunks = cfg.loss_chunks
     h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=fast_paths.batch_axes())(x_BT, key=keys_B)
 
@@ -88,8 +84,7 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config,
 
 
 def objective(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config) -> jax.Array:
-    """loss_fn's objective alone, a scalar to differentiate (mup.py's coordinate check, the
-    tests). Edit loss_fn, not this: the train step calls loss_fn."""
+    """loss_fn's objective alone, for mup.py and the tests. Edit loss_fn: the step calls it."""
     return loss_fn(model, x_BT, y_BT, cfg)[0]
 
 
@@ -312,8 +307,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False) -> dict[str, flo
                     jax.profiler.stop_trace()
                     say(f"--debug: the profile of the steps to {done} is in {rundir / 'profile'}; "
                         "stopping, nothing saved")
-                # time from the end of the first step: compilation is not counted
-                if t0 is None:
+                if t0 is None:  # time from the end of the first step, not the compilation
                     jax.block_until_ready(metrics)
                     t0, t0_step = time.perf_counter(), done
                 # preemption or a signal: JAX's sync point must be asked at every step

@@ -41,17 +41,19 @@ import train
 from configs import Config
 from run.errors import RunError, UsageError
 
-# name: (what it measures, the axis it varies, the model). "sp" is SP as people run it, "nodepth"
-# muP with CompleteP's rules off (depth_base = n_layer at every depth).
+# name: (what it measures, the axis it varies, the model). "sp" is SP as people run it, "spmodel"
+# model.py's own param="sp" (muP at the base shape, every multiplier 1 elsewhere: what a user who
+# turns muP off gets), "nodepth" muP with CompleteP's rules off (depth_base = n_layer at every depth).
 PARTS = {"coord_width": ("coord", "width", "mup"), "coord_width_sp": ("coord", "width", "sp"),
          "coord_depth": ("coord", "depth", "mup"),
          "coord_depth_nodepth": ("coord", "depth", "nodepth"),
          "lr_width": ("sweep", "width", "mup"), "lr_depth": ("sweep", "depth", "mup"),
          "lr_depth_nodepth": ("sweep", "depth", "nodepth"), "lr_width_sp": ("sweep", "width", "sp"),
-         "curves": ("curves", "width", "mup")}
+         "lr_width_spmodel": ("sweep", "width", "spmodel"), "curves": ("curves", "width", "mup")}
 SEEDS = 3  # each optimum a mean +- sd, each drift a difference with its 95% interval
 COORD_LR = 4.0  # coordinate checks at 4x the base LR: a larger LR shows a wrong rule sooner (mup)
 COORD_READOUT = 1.0  # their readout N(0, 1 / d_base): model.py's zero would leave step 1 inert
+READOUT = {"sp": 1.0}  # the training runs' readout at init (init): GPT-2's SP draws it, muP's is 0
 COORD_SEQS = 4  # the batch's first sequences they read x_t on: x_0 is kept on the host until t
 
 
@@ -139,18 +141,17 @@ def resize(cfg: Config, axis: str, size: int) -> Config:
 def variant(cfg: Config, name: str) -> Config:
     """The config of a part's model. SP as GPT-2 and TP5 (Table 3, "SP") run it: every LR the
     same, logits unscaled (alpha_out 1), and the readout drawn like the other matrices (init)."""
-    if name == "sp":
-        return dataclasses.replace(cfg, param="sp", alpha_out=1.0)
+    if name in ("sp", "spmodel"):  # spmodel: model.py's param="sp", alpha_out and readout kept
+        return dataclasses.replace(cfg, param="sp", alpha_out=1.0 if name == "sp" else cfg.alpha_out)
     return dataclasses.replace(cfg, depth_base=cfg.n_layer) if name == "nodepth" else cfg
 
 
-def init(cfg: Config, key: jax.Array, readout: float | None = None) -> M.GPT:
+def init(cfg: Config, key: jax.Array, readout: float = 0.0) -> M.GPT:
     """model.init_gpt, but with the readout drawn N(0, readout^2 / (D / m)) (std 1 / sqrt(d_base)
-    under muP, 1 / sqrt(D) under SP, at readout 1). readout None: 1 under SP, as GPT-2 (std 0.02 at
-    D = 768, openai/gpt-2 model.py) and PyTorch's nn.Linear draw it (model.py's SP keeps muP's
-    zero readout, so that at the base shape muP is SP exactly); model.py's zero under muP."""
+    under muP, 1 / sqrt(D) under SP, at readout 1) where readout is not 0, model.py's zero init
+    (at the base shape muP is model.py's SP exactly). SP as GPT-2 (std 0.02 at D = 768,
+    openai/gpt-2 model.py) and PyTorch's nn.Linear draw it: READOUT["sp"] = 1."""
     gpt = params.init_gpt(cfg, key)
-    readout = (1.0 if cfg.param == "sp" else 0.0) if readout is None else readout
     if not readout or cfg.tie_embeddings:
         return gpt
     z = jax.random.normal(jax.random.fold_in(key, 1), gpt.emb.unembed.shape)
@@ -210,7 +211,7 @@ def activation_sizes(gpt: M.GPT, x_BT: np.ndarray) -> dict[str, float]:
     return mean_sizes(activations(gpt, x_BT))
 
 
-def coord_check(cfg: Config, steps: int, seeds: int, readout: float | None = None,
+def coord_check(cfg: Config, steps: int, seeds: int, readout: float = 0.0,
                 seqs: int | None = None) -> dict[str, dict[str, list[float]]]:
     """{"x": mean |x_t|, "dx": mean |x_t - x_0|}, each activation name -> its value after t = 0 ..
     steps steps, averaged over seeds (each its own initial model and batch), every step on that
@@ -243,7 +244,7 @@ def coord_check(cfg: Config, steps: int, seeds: int, readout: float | None = Non
 
 
 def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int,
-               lrs_per_program: int | None = None) -> tuple[np.ndarray, ...]:
+               lrs_per_program: int | None = None, readout: float = 0.0) -> tuple[np.ndarray, ...]:
     """The train loss of every step, shape (LRs, seeds, steps), and the validation loss after the
     last, (LRs, seeds): seed i starts from its own initial model and reads its own batches (seed
     cfg.seed + i for both), the same at every LR; the config's schedule compressed to `steps` steps
@@ -263,7 +264,7 @@ def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int,
     warmup = round(cfg.warmup_steps * steps / cfg.max_steps)
     cfg = dataclasses.replace(cfg, max_steps=steps, warmup_steps=warmup)
     # The initial models, drawn outside the compiled program, stacked over seeds.
-    models = [init(cfg, jax.random.key(cfg.seed + i)) for i in range(seeds)]
+    models = [init(cfg, jax.random.key(cfg.seed + i), readout) for i in range(seeds)]
     arrays_0 = jax.tree.map(lambda *a: jnp.stack(a), *[eqx.filter(g, eqx.is_array) for g in models])
     static = eqx.filter(models[0], eqx.is_array, inverse=True)
 
@@ -313,7 +314,8 @@ def measure(s: dict, size: int, lrs_per_program: int | None = None):
     if s["kind"] == "coord":
         cfg = dataclasses.replace(cfg, learning_rate=s["lrs"][0])
         return coord_check(cfg, s["steps"], s["seeds"], s["readout"], s["sequences"])
-    loss, val = train_runs(cfg, s["lrs"], s["seeds"], s["steps"], lrs_per_program)
+    loss, val = train_runs(cfg, s["lrs"], s["seeds"], s["steps"], lrs_per_program,
+                           READOUT.get(s["model"], 0.0))
     if s["kind"] == "sweep":  # (seeds, LRs)
         return [[float(v) if np.isfinite(v) else None for v in row] for row in val.T]
     windows = loss[0].reshape(s["seeds"], -1, EVERY).mean(axis=-1)  # (seeds, steps / EVERY)

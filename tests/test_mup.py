@@ -120,9 +120,9 @@ def test_first_adam_step_sizes_follow_mup(m):
     assert hidden < seen and len(seen) == 11
 
 
-def coord_table(cfg, axis, sizes, steps, seeds=2):
+def coord_table(cfg, axis, sizes, steps, seeds=2, readout=0.0):
     """Activation name -> mean |x|, shape (sizes, steps + 1), from mup.coord_check at each size."""
-    rows = [mup.coord_check(mup.resize(cfg, axis, size), steps, seeds)["x"] for size in sizes]
+    rows = [mup.coord_check(mup.resize(cfg, axis, size), steps, seeds, readout)["x"] for size in sizes]
     return {name: np.array([row[name] for row in rows]) for name in rows[0]}
 
 
@@ -140,7 +140,7 @@ def test_coordinate_check_over_width(shakespeare):
     widths, cfg = [64, 128, 256, 512], mup_tiny(dataset="shakespeare_char")
     worst, fitted = max_abs_slope(coord_table(cfg, "width", widths, steps=4), widths, range(1, 5))
     assert worst <= 0.15, fitted
-    sp = coord_table(mup.variant(cfg, "sp"), "width", widths, steps=4)
+    sp = coord_table(mup.variant(cfg, "sp"), "width", widths, steps=4, readout=mup.READOUT["sp"])
     grows, fitted_sp = max_abs_slope(sp, widths, range(1, 5))
     assert grows >= 0.4, fitted_sp
     assert set(fitted) == {"embed", "q", "k", "attn_logits", "attn_out", "mlp_hidden", "mlp_out", "resid", "logits"}
@@ -190,9 +190,9 @@ def test_coordinate_check_reads_x_t_and_x_t_minus_x_0(shakespeare):
     assert got["dx"]["mlp_out"][1] > 0  # not only the readout moved
 
 
-def lr_sweep(cfg, lrs, steps):
+def lr_sweep(cfg, lrs, steps, readout=0.0):
     """The validation loss after `steps` steps at each LR, from one initial model."""
-    return mup.train_runs(cfg, lrs, 1, steps)[1][:, 0]
+    return mup.train_runs(cfg, lrs, 1, steps, readout=readout)[1][:, 0]
 
 
 def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
@@ -211,7 +211,7 @@ def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
     assert abs(wide - narrow) <= 1, (narrow, wide, loss)
     assert np.nanmin(loss[1]) < np.nanmin(loss[0]), loss
     sp = mup.variant(cfg, "sp")
-    sp_narrow, sp_wide = (plots.optimum(lr_sweep(mup.resize(sp, "width", w), lrs, 150))
+    sp_narrow, sp_wide = (plots.optimum(lr_sweep(mup.resize(sp, "width", w), lrs, 150, mup.READOUT["sp"]))
                           for w in (64, 256))
     assert sp_wide <= sp_narrow - 2, (sp_narrow, sp_wide)
 

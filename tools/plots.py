@@ -11,7 +11,7 @@ import numpy as np
 
 from run.errors import RunError
 
-TITLES = {"mup": "muP + CompleteP", "sp": "SP", "nodepth": "muP, depth rules off"}
+TITLES = {"mup": "muP + CompleteP", "sp": "SP", "spmodel": "model.py's SP", "nodepth": "muP, depth rules off"}
 
 
 def pyplot():

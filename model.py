@@ -30,6 +30,15 @@ def tap(name: str, x: Array) -> Array:
     return x
 
 
+def batch_split(x: Array) -> Array:
+    """x kept split as train.py splits the batch (its vmap's spmd_axis_name adds the batch axis).
+    Under FSDP, XLA's partitioner would carry the D split of the embedding table it is looked up
+    in into every activation after it, and all-reduce them in each layer (tests/test_sharding.py).
+    Without a mesh (one device, sampling, export) it does nothing."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return x if mesh.empty else jax.lax.with_sharding_constraint(x, jax.P())
+
+
 def rms_norm(x_TD: Array, gain_D: Array | None) -> Array:
     """RMSNorm in float32 whatever the compute dtype (bf16 sums of squares lose precision)."""
     x = x_TD.astype(jnp.float32)
@@ -352,7 +361,8 @@ class GPT(eqx.Module):
 
     @jax.named_scope("embed")
     def embed(self, tokens_T: Int[Array, "T"]) -> Array:
-        return tap("embed", self.alpha_in * self.embeddings().embed[tokens_T].astype(self.dtype))
+        x_TD = self.alpha_in * self.embeddings().embed[tokens_T].astype(self.dtype)
+        return tap("embed", batch_split(x_TD))
 
     @jax.named_scope("readout")
     def logits(self, x_TD: Array) -> Float[Array, "T V"]:

@@ -1,7 +1,5 @@
 """Run by test_sharding.py in a subprocess with 4 simulated devices (a 1 x 4 mesh, all FSDP):
-prints two JSON lines, the model as it is and with the embedding's output constrained to the
-batch split (one with_sharding_constraint: the FSDP layout, test_sharding): each parameter's
-sharding spec as placed by train.setup, and every collective of the compiled train step (kind,
+prints one JSON line: each parameter's sharding spec as placed by train.setup, and every collective of the compiled train step (kind,
 array shapes, gathered dimension, and how many times a step runs it: the trip counts of the while
 loops around it). ARGS: FIELD=VALUE config overrides."""
 import inspect
@@ -16,10 +14,9 @@ jax.config.update("jax_num_cpu_devices", 4)
 
 import equinox as eqx  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 import configs  # noqa: E402
-import model as M  # noqa: E402
 import params  # noqa: E402
 import train  # noqa: E402
 from conftest import tiny  # noqa: E402
@@ -81,10 +78,5 @@ def collectives(hlo: str) -> list[dict]:
     return found
 
 
-embed = M.GPT.embed
-for constrain in (False, True):
-    if constrain:
-        M.GPT.embed = lambda self, t: jax.lax.with_sharding_constraint(embed(self, t), P(None))
-    specs, shapes, hlo = compiled_step()
-    print(json.dumps({"specs": specs, "shapes": shapes, "collectives": collectives(hlo)},
-                     default=int))
+specs, shapes, hlo = compiled_step()
+print(json.dumps({"specs": specs, "shapes": shapes, "collectives": collectives(hlo)}, default=int))

@@ -7,7 +7,7 @@ C streams, J states, M = C * J its mixing width. Modules see one sequence (T tok
 the batch with jax.vmap.
 
 The functions here are the definition of the math. kernels/ may hold a fused version of some
-(attend, qk_norm_rope, gelu); a run uses one only after checking it against the function here
+(attend, qk_norm_rope, gelu, cross_entropy); a run uses one only after checking it against the function here
 where the model calls it, so an edit to this file always runs (kernels/fast_paths.py's select).
 """
 import math
@@ -103,6 +103,19 @@ def dropout(x: Array, rate: float, key: Array | None) -> Array:
 
 def gelu(x: Array) -> Array:  # GPT-2's tanh form
     return jax.nn.gelu(x)
+
+
+def readout(h_TD: Array, unembed_VD: Array, mult: float) -> Float[Array, "T V"]:
+    """Logits in float32 from the final norm's output. The matmul in the compute dtype, cast
+    after: its gradient's matmuls then run in the compute dtype too."""
+    return mult * jnp.einsum("TD,VD->TV", h_TD, unembed_VD).astype(jnp.float32)
+
+
+def cross_entropy(h_TD: Array, unembed_VD: Array, mult: float, y_T: Array) -> Float[Array, "T"]:
+    """Each position's cross-entropy of its next token y_T: -log softmax(readout)[y], float32."""
+    logits_TV = readout(h_TD, unembed_VD, mult)
+    label_T = jnp.take_along_axis(logits_TV, y_T[:, None], axis=-1)[:, 0]
+    return jax.nn.logsumexp(logits_TV, axis=-1) - label_T
 
 
 def attend(q_THK: Array, k_SGK: Array, v_SGK: Array, scale: float, mask_TS: Array | None = None,
@@ -301,6 +314,7 @@ class GPT(eqx.Module):
     remat: Literal["none", "full", "save_dots"] = eqx.field(static=True)
     unroll: int = eqx.field(static=True)
     dropout_rate: float = eqx.field(static=True)  # cfg.dropout, on the embedding's output
+    fast_cross_entropy: Callable | None = eqx.field(static=True)  # fast_paths.select's, or None
 
     def __init__(self, cfg: Config, fast: dict[str, Callable] | None = None):
         """The structure and static fields; the arrays are placeholders that init_gpt draws anew.
@@ -317,7 +331,7 @@ class GPT(eqx.Module):
         self.alpha_in, self.readout_mult = cfg.alpha_in, cfg.alpha_out / cfg.width_mult
         self.rope_base = cfg.rope_base if cfg.position == "rope" else None
         self.dtype, self.remat, self.unroll = cfg.compute_dtype, cfg.remat, cfg.scan_unroll
-        self.dropout_rate = cfg.dropout
+        self.dropout_rate, self.fast_cross_entropy = cfg.dropout, (fast or {}).get("cross_entropy")
 
     def embeddings(self) -> Embeddings:
         return self.emb() if isinstance(self.emb, eqx.nn.Shared) else self.emb
@@ -367,11 +381,16 @@ class GPT(eqx.Module):
     @jax.named_scope("readout")
     def logits(self, x_TD: Array) -> Float[Array, "T V"]:
         """The final norm and the readout, in float32."""
-        h_TD = rms_norm(x_TD, self.final_norm)
-        unembed_VD = self.embeddings().unembed.astype(self.dtype)
-        # cast after the matmul: its gradient's matmuls then run in the compute dtype too
-        logits_TV = jnp.einsum("TD,VD->TV", h_TD, unembed_VD).astype(jnp.float32)
-        return tap("logits", self.readout_mult * logits_TV)
+        return tap("logits", readout(*self.readout_inputs(x_TD), self.readout_mult))
+
+    @jax.named_scope("readout")
+    def loss(self, x_TD: Array, y_T: Int[Array, "T"]) -> Float[Array, "T"]:
+        """Each position's cross-entropy of its next token y_T (train.py's loss), from the stream."""
+        cross_entropy_fn = self.fast_cross_entropy or cross_entropy
+        return cross_entropy_fn(*self.readout_inputs(x_TD), self.readout_mult, y_T)
+
+    def readout_inputs(self, x_TD: Array) -> tuple[Array, Array]:
+        return rms_norm(x_TD, self.final_norm), self.embeddings().unembed.astype(self.dtype)
 
     def positions(self, q_T: Array, S: int | None = None) -> Positions:
         """Positions of queries at q_T; keys at the same ones, or with a KV cache of S positions

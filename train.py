@@ -68,8 +68,9 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config,
     h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=fast_paths.batch_axes())(x_BT, key=keys_B)
 
     def chunk_losses(h_btD, y_bt):  # sums over the chunk's tokens
-        logits_btV = jax.vmap(model.logits)(h_btD)
-        cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits_btV, y_bt).sum()
+        # model.loss is model.cross_entropy of the readout (kernels/ may fuse the two); a term
+        # that needs the logits takes them from jax.vmap(model.logits)(h_btD)
+        cross_entropy = jax.vmap(model.loss)(h_btD, y_bt).sum()
         return cross_entropy, cross_entropy  # (objective, cross-entropy): add terms to the first
 
     if chunks == 1:
@@ -202,7 +203,7 @@ class Setup(NamedTuple):
 
 def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     """The initial model and optimizer state, sharded over the mesh, and the train step."""
-    fast = fast_paths.select(cfg, mesh)
+    fast = fast_paths.select(cfg, mesh, lambda gpt, x, y: loss_fn(gpt, x, y, cfg))  # as edited
     table = policy_table(eqx.filter_eval_shape(GPT, cfg, fast), cfg)  # once: init, specs, optimizer
     model = init_gpt(cfg, jax.random.key(cfg.seed), fast, table)
     model_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(table))

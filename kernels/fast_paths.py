@@ -18,6 +18,8 @@ check catches differences larger than the dtype's rounding (TOLERANCE), and
 - gelu: model.gelu whose backward recomputes it, where the layers are unrolled (GPU): XLA otherwise
   keeps GELU's tanh as a second (B, T, F) output of the forward, written and read back.
 - qk_norm_rope: kernels/pallas_qk_norm_rope.py's kernel for the QK-LayerNorm and RoPE (GPU).
+- cross_entropy: kernels/cross_entropy.py, the log-softmax of the readout with no float32 logits
+  (GPU, bfloat16).
 
 Several devices: a kernel (a pallas_call, cuDNN's call) runs inside jax.shard_map on each
 device's own sequences (per_device), so 1, 2 or 8 devices run the same kernel on their share.
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
-from kernels import pallas_qk_norm_rope as pallas
+from kernels import cross_entropy as fused_cross_entropy, pallas_qk_norm_rope as pallas
 from configs import Config
 
 # Largest relative error (norm of the difference over the norm of model.py's result) a fast path
@@ -95,11 +97,13 @@ class FastPath:
     applies: Callable[[Config], bool]  # on this run's devices, dtype and shapes
 
 
-def select(cfg: Config, mesh: jax.sharding.Mesh | None = None) -> dict[str, Callable]:
+def select(cfg: Config, mesh: jax.sharding.Mesh | None = None, loss: Callable | None = None
+           ) -> dict[str, Callable]:
     """{model.py function name: its fast path} for the fast paths that apply and match wherever
-    the model calls them, checked on the run's mesh (None: one device)."""
+    the model calls them, checked on the run's mesh (None: one device). loss(model, x_BT, y_BT):
+    the loss training runs (train.py's loss_fn; None: model.GPT.loss, as train.py calls it)."""
     paths = [path for path in FAST_PATHS if cfg.kernels and path.applies(cfg)]
-    calls = calls_in_model(cfg, {path.name for path in paths}) if paths else {}
+    calls = calls_in_model(cfg, {path.name for path in paths}, loss or model_loss) if paths else {}
     chosen = {}
     for path in paths:
         if not calls[path.name]:  # an edit took the call out (SwiGLU has no GELU): nothing to run
@@ -165,11 +169,17 @@ def is_drawn(x) -> bool:
     return isinstance(x, Drawn)
 
 
-def calls_in_model(cfg: Config, names: set[str]) -> dict[str, list[Call]]:
+def model_loss(gpt: model.GPT, x_BT: jax.Array, y_BT: jax.Array) -> jax.Array:
+    return jax.vmap(gpt.loss)(jax.vmap(lambda t: gpt.hidden(t)[0])(x_BT), y_BT)
+
+
+def calls_in_model(cfg: Config, names: set[str], loss: Callable = model_loss
+                   ) -> dict[str, list[Call]]:
     """{name: the distinct calls of model.<name>} where the model calls a fast path, at the run's
-    shapes: a forward traced abstractly (jax.eval_shape), the model built with a recorder as its
-    fast path, under a jax.vmap over the parameters and the tokens, whose batching rule
-    (custom_vmap's) tells which arguments vary with them."""
+    shapes: the logits and the loss (of one sequence, its tokens as targets) traced abstractly
+    (jax.eval_shape), the model built with a recorder as its fast path, under a jax.vmap over the
+    parameters and the tokens, whose batching rule (custom_vmap's) tells which arguments vary
+    with them."""
     calls = {name: [] for name in names}
 
     def recorder(name: str) -> Callable:
@@ -202,7 +212,11 @@ def calls_in_model(cfg: Config, names: set[str]) -> dict[str, list[Call]]:
     params, static = eqx.partition(gpt, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     two = lambda x: jax.ShapeDtypeStruct((2, *x.shape), x.dtype)  # noqa: E731
     tokens = jax.ShapeDtypeStruct((2, cfg.block_size), jnp.int32)
-    forward = lambda params, tokens_T: eqx.combine(params, static)(tokens_T)  # noqa: E731
+
+    def forward(params, tokens_T):  # the logits, and the loss training runs
+        gpt = eqx.combine(params, static)
+        return gpt(tokens_T), loss(gpt, tokens_T[None], tokens_T[None])
+
     jax.eval_shape(jax.vmap(forward), jax.tree.map(two, params), tokens)
     distinct = lambda c: repr(c) + str([d.varies for d in drawn_in(c)])  # noqa: E731
     return {name: list({distinct(c): c for c in found}.values()) for name, found in calls.items()}
@@ -424,10 +438,17 @@ def gelu_applies(cfg: Config) -> bool:
     return on_gpu() and cfg.scan_unroll >= cfg.n_layer
 
 
+def cross_entropy_applies(cfg: Config) -> bool:
+    """Where the logits are bfloat16: in float32 it would write the same arrays as model.py's."""
+    return on_gpu() and cfg.compute_dtype == "bfloat16"
+
+
 FAST_PATHS = [
     FastPath("attend", "cuDNN flash attention", cudnn_attend, cudnn_applies),
     FastPath("attend", "splash attention", splash_attend, splash_applies),
     FastPath("qk_norm_rope", "the Pallas QK-norm + RoPE kernel", fused_qk_norm_rope,
              qk_norm_rope_applies),
     FastPath("gelu", "the recomputing GELU", recomputing_gelu, gelu_applies),
+    FastPath("cross_entropy", "the fused readout cross-entropy", fused_cross_entropy.cross_entropy,
+             cross_entropy_applies),
 ]

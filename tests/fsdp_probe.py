@@ -34,6 +34,7 @@ s = train.setup(cfg, mesh)
 if sys.argv[4:] == ["kernels"]:
     assert s.model.blocks.attn.fast_qk_norm_rope is fast_paths.fused_qk_norm_rope
     assert s.model.blocks.mlp.fast_gelu is fast_paths.recomputing_gelu
+    assert s.model.fast_cross_entropy is fast_paths.fused_cross_entropy.cross_entropy
 rng = np.random.default_rng(0)
 x = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)
 y = rng.integers(0, cfg.vocab_size, (1, 16, cfg.block_size)).astype(np.int32)

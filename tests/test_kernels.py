@@ -103,7 +103,7 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
     fast_paths = every_kernel(monkeypatch)
     cfg = tiny(n_layer=2, remat=remat, scan_unroll=unroll, **variant)
     fast = fast_paths.select(cfg)
-    assert set(fast) == {"attend", "qk_norm_rope", "gelu"}
+    assert set(fast) == {"attend", "qk_norm_rope", "gelu", "cross_entropy"}
     assert capsys.readouterr().err.splitlines()[-1] == ALL_FUSED
     plain, fused = random_gpt(cfg), random_gpt(cfg, fast=fast)  # the same arrays
     assert fused.blocks.attn.fast_qk_norm_rope is fast["qk_norm_rope"]
@@ -122,7 +122,7 @@ def test_fused_kernels_match_model_py_in_the_whole_model(monkeypatch, capsys, re
 
 ALL_FUSED = ("kernels: fused, each checked where the model calls it: model.attend as cuDNN flash "
              "attention, model.qk_norm_rope as the Pallas QK-norm + RoPE kernel, model.gelu as the "
-             "recomputing GELU")
+             "recomputing GELU, model.cross_entropy as the fused readout cross-entropy")
 
 
 def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
@@ -133,13 +133,13 @@ def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
     cfg = tiny()
     plain_rope, plain_attend = M.rope, M.attend
     monkeypatch.setattr(M, "rope", lambda x, cos, sin: plain_rope(x, cos, -sin))
-    assert set(fast_paths.select(cfg)) == {"attend", "gelu"}
+    assert set(fast_paths.select(cfg)) == {"attend", "gelu", "cross_entropy"}
     line = capsys.readouterr().err.splitlines()[0]
     assert line.startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, model.qk_norm_rope "
                            "runs instead: its output differs by ")
     monkeypatch.setattr(M, "attend", lambda q, k, v, scale, mask=None, bias=None:
                         plain_attend(q, k, v, 2 * scale, mask, bias))
-    assert set(fast_paths.select(cfg)) == {"gelu"}
+    assert set(fast_paths.select(cfg)) == {"gelu", "cross_entropy"}
     assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().err
     assert fast_paths.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
     assert capsys.readouterr().err == ""
@@ -194,7 +194,7 @@ def test_an_attention_edit_sets_the_kernel_aside_where_the_model_calls_it(monkey
     import train
     fast_paths = every_kernel(monkeypatch)
     monkeypatch.setattr(fast_paths, "FAST_PATHS", [fast_paths.FAST_PATHS[0],  # cuDNN's, and
-                                                   fast_paths.FAST_PATHS[-1]])  # the GELU
+                                                   fast_paths.FAST_PATHS[-2]])  # the GELU
     edit(monkeypatch)
     cfg = tiny()
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 16)).astype(np.int32)
@@ -228,6 +228,103 @@ def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys)
     np.testing.assert_allclose(grad, cdf + x * pdf, rtol=1e-4, atol=1e-5)
 
 
+def cross_entropy_written_out(h, w, mult, y):
+    """Each position's -log softmax(mult h w^T)[y] and the gradients of their sum with respect to h
+    and w (the softmax minus the one-hot target, times mult, through the matmul): numpy, float64,
+    h (B, T, D), w (V, D), y (B, T)."""
+    x = mult * h @ w.T
+    top = x.max(-1, keepdims=True)
+    lse = top[..., 0] + np.log(np.exp(x - top).sum(-1))
+    loss = lse - np.take_along_axis(x, y[..., None], -1)[..., 0]
+    dx = mult * (np.exp(x - lse[..., None]) - (np.arange(w.shape[0]) == y[..., None]))
+    return loss, dx @ w, np.einsum("btv,btd->vd", dx, h)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_the_fused_cross_entropy_is_the_cross_entropy_written_out(dtype, tolerance):
+    """kernels/cross_entropy.py on a batch of 3 sequences (train.py's vmap) of a 65-token vocabulary
+    (a multiple of nothing): each position's loss and the gradients for the stream and the readout
+    against numpy; model.cross_entropy too. In bfloat16 the relative error is the logits' rounding."""
+    from kernels import cross_entropy as fused
+    B, T, D, V, mult = 3, 8, 16, 65, 0.5
+    keys = jax.random.split(jax.random.key(0), 3)
+    h, w = (jax.random.normal(k, shape, dtype) for k, shape in zip(keys, [(B, T, D), (V, D)]))
+    y = jax.random.randint(keys[2], (B, T), 0, V)
+    want = cross_entropy_written_out(np.asarray(h, np.float64), np.asarray(w, np.float64), mult,
+                                     np.asarray(y))
+    for fn in (fused.cross_entropy, M.cross_entropy):
+        per_token = lambda h, w: jax.vmap(fn, (0, None, None, 0))(h, w, mult, y)
+        loss = per_token(h, w)
+        grads = jax.grad(lambda h, w: per_token(h, w).sum(), argnums=(0, 1))(h, w)
+        assert loss.dtype == jnp.float32 and [g.dtype for g in grads] == [dtype, dtype]
+        for got, expected in zip((loss, *grads), want):
+            got = np.asarray(got, np.float64)
+            assert np.linalg.norm(got - expected) <= tolerance * np.linalg.norm(expected), fn
+
+
+def test_the_fused_cross_entropy_keeps_no_float32_logits(capsys):
+    """In bfloat16, what the fused loss keeps for the backward pass is the bfloat16 logits and a
+    float32 log-sum-exp per position; model.cross_entropy's autodiff keeps a float32 (T, V)."""
+    from jax.ad_checkpoint import print_saved_residuals
+    from kernels import cross_entropy as fused
+    T, D, V = 16, 8, 65
+    h, w = jnp.ones((T, D), jnp.bfloat16), jnp.ones((V, D), jnp.bfloat16)
+    y = jnp.zeros(T, jnp.int32)
+    kept = {}
+    for fn in (fused.cross_entropy, M.cross_entropy):
+        print_saved_residuals(lambda h, w: fn(h, w, 0.5, y).sum(), h, w)
+        kept[fn] = capsys.readouterr().out
+    assert f"bf16[{T},{V}]" in kept[fused.cross_entropy]
+    assert f"f32[{T},{V}]" not in kept[fused.cross_entropy]
+    assert f"f32[{T},{V}]" in kept[M.cross_entropy]  # the check itself can see one
+
+
+def test_an_edit_to_the_loss_sets_the_fused_cross_entropy_aside(monkeypatch, capsys):
+    """model.cross_entropy edited (label smoothing 0.1): the fused loss is set aside with one line,
+    and train.objective of the model built with select's fast paths is the edited loss."""
+    import train
+    fast_paths = every_kernel(monkeypatch)
+    plain = M.cross_entropy
+
+    def smoothed(h, w, mult, y):
+        return 0.9 * plain(h, w, mult, y) - 0.1 * jax.nn.log_softmax(M.readout(h, w, mult)).mean(-1)
+
+    monkeypatch.setattr(M, "cross_entropy", smoothed)
+    cfg = tiny()
+    fast = fast_paths.select(cfg)
+    assert "cross_entropy" not in fast and "attend" in fast
+    assert ("kernels: the fused readout cross-entropy set aside, model.cross_entropy runs instead: "
+            "its output differs by ") in capsys.readouterr().err
+    gpt = random_gpt(cfg, fast=fast)
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    y = jnp.roll(tokens, -1, axis=1)
+    h = jax.vmap(lambda t: gpt.hidden(t)[0])(tokens)
+    unembed = gpt.embeddings().unembed
+    want = jax.vmap(smoothed, (0, None, None, 0))(jax.vmap(M.rms_norm, (0, None))(h, gpt.final_norm),
+                                                  unembed, gpt.readout_mult, y).mean()
+    np.testing.assert_allclose(train.objective(gpt, tokens, y, cfg), want, rtol=1e-5)
+
+
+def test_a_loss_that_takes_the_logits_leaves_the_fused_cross_entropy_unused(monkeypatch, capsys):
+    """train.loss_fn edited as the README's z-loss, from model.logits rather than model.loss: the
+    self-check traces the loss as edited, says the fused cross-entropy is unused, and fuses the rest."""
+    import optax
+    import train
+    every_kernel(monkeypatch)
+
+    def loss_fn(model, x_BT, y_BT, cfg, keys_B=None):
+        logits_BTV = jax.vmap(model)(x_BT)
+        cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits_BTV, y_BT).mean()
+        return cross_entropy + 1e-4 * jnp.square(jax.nn.logsumexp(logits_BTV, -1)).mean(), cross_entropy
+
+    monkeypatch.setattr(train, "loss_fn", loss_fn)
+    cfg = tiny()
+    s = train.setup(cfg, train.make_mesh(cfg))
+    assert s.model.fast_cross_entropy is None and s.model.blocks.mlp.fast_gelu is not None
+    assert ("kernels: the fused readout cross-entropy unused: the model never calls "
+            "model.cross_entropy through it") in capsys.readouterr().err
+
+
 def test_sharded_kernels_match_one_device(tmp_path):
     """8 simulated devices, all FSDP, every kernel per device (Pallas in its interpreter): the
     probe asserts each pallas_call runs in a shard_map on the device's own sequences, and the loss,
@@ -256,10 +353,10 @@ fast_paths.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in
                       if p.name != "attend"]  # attention's paths: the tests above
 cfg = tiny(n_head=4, d_model=64, n_kv_head=2)
 mesh = train.make_mesh(cfg)
-assert set(fast_paths.select(cfg, mesh)) == {"qk_norm_rope", "gelu"}
+assert set(fast_paths.select(cfg, mesh)) == {"qk_norm_rope", "gelu", "cross_entropy"}
 plain_rope = model.rope
 model.rope = lambda x, cos, sin: plain_rope(x, cos, -sin)
-assert set(fast_paths.select(cfg, mesh)) == {"gelu"}
+assert set(fast_paths.select(cfg, mesh)) == {"gelu", "cross_entropy"}
 model.rope = plain_rope
 
 def first_device_only(x):  # right on the first device's sequences, wrong on the others'
@@ -268,9 +365,10 @@ def first_device_only(x):  # right on the first device's sequences, wrong on the
         return model.gelu(x)
     return fast_paths.per_device(lambda x: model.gelu(x) * (1 + jax.lax.axis_index(axes)), x)
 
-fast_paths.FAST_PATHS[-1] = dataclasses.replace(fast_paths.FAST_PATHS[-1], fn=first_device_only)
+fast_paths.FAST_PATHS = [dataclasses.replace(p, fn=first_device_only) if p.name == "gelu" else p
+                         for p in fast_paths.FAST_PATHS]
 assert "gelu" in fast_paths.select(cfg)  # on one device: no mesh, no shard_map, right
-assert set(fast_paths.select(cfg, mesh)) == {"qk_norm_rope"}
+assert set(fast_paths.select(cfg, mesh)) == {"qk_norm_rope", "cross_entropy"}
 """
 
 
@@ -282,7 +380,8 @@ def test_the_self_check_sets_a_sharded_kernel_aside(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()
     all_fused = ("kernels: fused, each checked where the model calls it: model.qk_norm_rope as "
-                 "the Pallas QK-norm + RoPE kernel, model.gelu as the recomputing GELU")
+                 "the Pallas QK-norm + RoPE kernel, model.gelu as the recomputing GELU, "
+                 "model.cross_entropy as the fused readout cross-entropy")
     assert lines[0] == all_fused
     assert lines[1].startswith("kernels: the Pallas QK-norm + RoPE kernel set aside, "
                                "model.qk_norm_rope runs instead: its output differs by ")

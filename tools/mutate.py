@@ -54,6 +54,9 @@ MUTATIONS = {
                        "gain = dict(lr_mult=1.0, decay=True,")],
         ["tests/test_model.py::test_policy_table_covers_every_parameter",
          "tests/test_train.py::test_weight_decay_is_independent_of_lr_and_only_on_matrices"]),
+    "fused cross-entropy: its gradient without the readout multiplier": (
+        "kernels/cross_entropy.py", [("dz_TV = (mult * g_T[:, None]", "dz_TV = (g_T[:, None]")],
+        ["tests/test_kernels.py::test_the_fused_cross_entropy_is_the_cross_entropy_written_out"]),
     "export: attn.out transposed wrongly (same shape)": (
         "export.py", [('"attn.out.weight": T(a(b.attn.out).reshape(L, -1, D)),',
                        '"attn.out.weight": a(b.attn.out).reshape(L, -1, D),')],
@@ -76,8 +79,7 @@ MUTATIONS = {
                                 "valid_V = jnp.arange(logits_BTV.shape[-1]) >= 0")],
         ["tests/test_eval.py::test_one_and_four_devices_give_the_same_numbers"]),
     "loss of the readout's logits without the readout multiplier": (
-        "model.py", [("return tap(\"logits\", self.readout_mult * logits_TV)",
-                      "return tap(\"logits\", logits_TV)")],
+        "model.py", [("return mult * jnp.einsum(\"TD,VD->TV\"", "return jnp.einsum(\"TD,VD->TV\"")],
         ["tests/test_model.py::test_loss_of_a_random_model_is_numpys_cross_entropy"]),
     "attention logits scaled by half (autodiff agrees with itself)": (
         "model.py", [("self.scale, self.kv_heads, self.alibi = cfg.attn_scale, G",

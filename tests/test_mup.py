@@ -251,7 +251,8 @@ def test_docs_mup_evidence_is_current(where):
                           **part["config"]}
     cfg = mup.evidence_config(doc["config_name"], preset, doc["overrides"])
     now = mup.settings(cfg, preset, doc.get("seeds", mup.SEEDS))
-    if "seeds" not in doc:  # made before seeds: the settings of that code
+    if "seeds" not in doc:  # made before seeds: the settings of that code, its parts
+        now = {part: s for part, s in now.items() if part in doc["settings"]}
         for part, s in now.items():
             s.update(seeds={"sweep": 1}.get(s["kind"], 3), lrs=s["lrs"] if s["kind"] != "coord"
                      else [cfg.learning_rate])

@@ -11,7 +11,8 @@ import numpy as np
 
 from run.errors import RunError
 
-TITLES = {"mup": "muP + CompleteP", "sp": "SP", "spmodel": "model.py's SP", "nodepth": "muP, depth rules off"}
+TITLES = {"mup": "muP + CompleteP", "sp": "SP", "spmodel": "model.py's SP",
+          "nodepth": "muP, depth rules off"}
 
 
 def pyplot():
@@ -233,27 +234,42 @@ def drift_claim(title: str, axis: str, sizes: list[int], stats: dict, seeds: int
     return f"- {title}: not resolved {span}: {said} reaches past one grid step."
 
 
+# The width sweeps compared with muP's: (part, name, what it is)
+CONTROLS = [("lr_width_sp", "SP", "SP here is GPT-2's (every LR the same, alpha_out 1, the readout "
+             "drawn N(0, 1/D)): it differs from muP even at the base width."),
+            ("lr_width_spmodel", "model.py's SP", "model.py's SP is `--config.param=sp` (every "
+             "multiplier 1, alpha_out and the zero readout kept): what a user who turns muP off "
+             "trains. At the base width it is muP, the same runs.")]
+
+
 def sp_against_mup(doc: dict, st: dict) -> list[str]:
-    """Where SP's best loss is lower than muP's (per swept width), and the user's comparison: the
-    largest width trained at the LR that is best at the base width, muP against SP."""
-    mup, sp = sweep_stats(doc, "lr_width"), sweep_stats(doc, "lr_width_sp")
+    """For each SP control that was run: where its best loss is lower than muP's (per swept width),
+    and the user's comparison: the largest width trained at the LR that is best at the base width
+    (each model's own), muP against it."""
+    lines = []
+    for part, name, what in CONTROLS:
+        lines += against_mup(doc, st, part, name, what)
+    return lines
+
+
+def against_mup(doc: dict, st: dict, part: str, name: str, what: str) -> list[str]:
+    mup, sp = sweep_stats(doc, "lr_width"), sweep_stats(doc, part)
     widths = sorted(set(mup) & set(sp))  # none: a part not run
     if not widths:
         return []
     seeds = min(len(mup[widths[0]]["loss"]), len(sp[widths[0]]["loss"]))
-    lines = ["### SP against muP over width", "",
-             "SP here is GPT-2's (every LR the same, alpha_out 1, the readout drawn N(0, 1/D)): it "
-             "differs from muP even at the base width. Best loss over the grid, muP minus SP (a "
-             "difference counts only when its 95% interval excludes 0):", ""]
+    lines = [f"### {name} against muP over width", "",
+             f"{what} Best loss over the grid, muP minus {name} (a difference counts only when "
+             "its 95% interval excludes 0):", ""]
     lower, resolved = [], []
     for w in widths:
         d, h = difference(sp[w]["loss"], mup[w]["loss"])
         lines.append(f"- width {w}: muP {cell(*mean_sd(mup[w]['loss']), 3)}, "
-                     f"SP {cell(*mean_sd(sp[w]['loss']), 3)}, muP - SP {cell(d, h, 3)}")
-        lower.append("SP" if d > 0 else "muP" if d < 0 else "neither")
+                     f"{name} {cell(*mean_sd(sp[w]['loss']), 3)}, muP - {name} {cell(d, h, 3)}")
+        lower.append(name if d > 0 else "muP" if d < 0 else "neither")
         resolved.append(abs(d) > h)  # False for nan: one seed
     lines.append("")
-    for who in ("SP", "muP"):
+    for who in (name, "muP"):
         if seeds < 2 and all(x == who for x in lower):
             lines.append(f"{who} has the lower loss at every swept width (one seed per LR; no "
                          "spread).")
@@ -265,27 +281,29 @@ def sp_against_mup(doc: dict, st: dict) -> list[str]:
                          f"interval at: {beyond}.")
     if len(set(lower)) > 1:
         at = lambda who: ", ".join(str(w) for w, x in zip(widths, lower) if x == who) or "none"
-        lines.append(f"The lower mean loss: SP at widths {at('SP')}; muP at {at('muP')}.")
+        equal = f"; equal at {at('neither')}" if "neither" in lower else ""
+        lines.append(f"The lower mean loss: {name} at widths {at(name)}; muP at {at('muP')}"
+                     f"{equal}.")
     base, top = st["lr_width"]["config"]["d_model"], widths[-1]
     lrs = st["lr_width"]["lrs"]
     if base in widths and top != base:
         picks = {}
-        for name, stats in (("muP", mup), ("SP", sp)):
+        for who, stats in (("muP", mup), (name, sp)):
             # the mean over seeds; an LR where any seed diverged counts as diverged
             i = int(np.nanargmin(np.stack(stats[base]["rows"]).mean(axis=0)))
-            picks[name] = (lrs[i], [float(r[i]) if np.isfinite(r[i]) else None
-                                    for r in stats[top]["rows"]])
-        d, h = difference(picks["SP"][1], picks["muP"][1])
+            picks[who] = (lrs[i], [float(r[i]) if np.isfinite(r[i]) else None
+                                   for r in stats[top]["rows"]])
+        d, h = difference(picks[name][1], picks["muP"][1])
         if seeds < 2 or np.isnan(h):
             verdict = "one seed per LR; no spread: no claim which is better"
         elif abs(d) <= h:
             verdict = "the 95% interval includes 0: neither is better"
         else:
-            verdict = f"{'SP' if d > 0 else 'muP'} is better (the 95% interval excludes 0)"
+            verdict = f"{name if d > 0 else 'muP'} is better (the 95% interval excludes 0)"
         lines += ["", f"Tuned at the base width {base} and trained at width {top} with the LR "
                   f"best at {base} (the grid point of the lowest mean loss): muP "
-                  f"{cell(*mean_sd(picks['muP'][1]), 3)} at LR {picks['muP'][0]:.3g}, SP "
-                  f"{cell(*mean_sd(picks['SP'][1]), 3)} at LR {picks['SP'][0]:.3g}; muP - SP "
+                  f"{cell(*mean_sd(picks['muP'][1]), 3)} at LR {picks['muP'][0]:.3g}, {name} "
+                  f"{cell(*mean_sd(picks[name][1]), 3)} at LR {picks[name][0]:.3g}; muP - {name} "
                   f"{cell(d, h, 3)}: {verdict}."]
     return lines + [""]
 

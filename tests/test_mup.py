@@ -16,7 +16,7 @@ import pytest
 import configs
 import mup
 import params
-from tools import plots
+from tools import plots, sweeps
 import train
 from conftest import ROOT, run, tiny
 
@@ -122,7 +122,7 @@ def test_first_adam_step_sizes_follow_mup(m):
 
 def coord_table(cfg, axis, sizes, steps, seeds=2, readout=0.0):
     """Activation name -> mean |x|, shape (sizes, steps + 1), from mup.coord_check at each size."""
-    rows = [mup.coord_check(mup.resize(cfg, axis, size), steps, seeds, readout)["x"] for size in sizes]
+    rows = [sweeps.coord_check(mup.resize(cfg, axis, size), steps, seeds, readout)["x"] for size in sizes]
     return {name: np.array([row[name] for row in rows]) for name in rows[0]}
 
 
@@ -156,7 +156,7 @@ def test_coordinate_check_over_depth(shakespeare):
     worst, fitted = max_abs_slope(coord_table(cfg, "depth", depths, steps=4), depths, range(1, 5))
     assert worst <= 0.15, fitted
     ends = [depths[0], depths[-1]]  # the control needs only the ends for a slope: fewer compilations
-    rows = [mup.coord_check(mup.variant(mup.resize(cfg, "depth", L), "nodepth"), 4, 2)["x"] for L in ends]
+    rows = [sweeps.coord_check(mup.variant(mup.resize(cfg, "depth", L), "nodepth"), 4, 2)["x"] for L in ends]
     grows, fitted_off = max_abs_slope({k: np.array([r[k] for r in rows]) for k in rows[0]}, ends, range(1, 5))
     assert grows >= 0.4, fitted_off
 
@@ -169,11 +169,11 @@ def test_coordinate_check_reads_x_t_and_x_t_minus_x_0(shakespeare):
     import data
     cfg = mup_tiny(dataset="shakespeare_char", d_base=32, learning_rate=8e-3, min_lr=8e-3, warmup_steps=0,
                    max_steps=2)
-    got = mup.coord_check(cfg, 2, 1, readout=1.0)
+    got = sweeps.coord_check(cfg, 2, 1, readout=1.0)
     x, y = data.get_batch(data.load_split(cfg, "train"), cfg.seed, data.TRAIN, 0, cfg.batch_size, cfg.block_size)
-    gpt = mup.init(cfg, jax.random.key(cfg.seed), readout=1.0)
+    gpt = sweeps.init(cfg, jax.random.key(cfg.seed), readout=1.0)
     assert np.std(gpt.emb.unembed) == pytest.approx(1 / math.sqrt(32), rel=0.05)
-    s = train.setup(cfg, mup.one_device_mesh())
+    s = train.setup(cfg, sweeps.one_device_mesh())
     opt_state = train.make_optimizer(cfg, params.policy_table(gpt, cfg)).init(eqx.filter(gpt, eqx.is_array))
     # placed as the step's outputs are: the step is then traced once
     gpt, opt_state = eqx.filter_shard(gpt, s.model_sharding), eqx.filter_shard(opt_state, s.opt_sharding)
@@ -192,7 +192,7 @@ def test_coordinate_check_reads_x_t_and_x_t_minus_x_0(shakespeare):
 
 def lr_sweep(cfg, lrs, steps, readout=0.0):
     """The validation loss after `steps` steps at each LR, from one initial model."""
-    return mup.train_runs(cfg, lrs, 1, steps, readout=readout)[1][:, 0]
+    return sweeps.train_runs(cfg, lrs, 1, steps, readout=readout)[1][:, 0]
 
 
 def test_learning_rate_transfers_under_mup_not_sp(shakespeare):
@@ -391,9 +391,10 @@ def test_bad_evidence_arguments_are_one_line_errors_before_any_training(tmp_path
         mup.main(["evidence", f"--out={tmp_path}", *args])  # a later --out wins
 
 
-SWEEPS = """import dataclasses, json, sys, jax, configs, mup
+SWEEPS = """import dataclasses, json, sys, jax, configs
+from tools import sweeps
 cfg = dataclasses.replace(configs.load("shakespeare_char_cpu"), d_model=32, n_head=1, kernels=False)
-print(json.dumps([mup.coord_check(cfg, 1, 1), mup.train_runs(cfg, [1e-3, 2e-3], 1, 2)[1].tolist()]))
+print(json.dumps([sweeps.coord_check(cfg, 1, 1), sweeps.train_runs(cfg, [1e-3, 2e-3], 1, 2)[1].tolist()]))
 print("devices:", jax.device_count())
 """
 

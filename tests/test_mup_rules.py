@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import mup
+from tools import sweeps
 import params
 import train
 from test_mup import batch, mup_tiny
@@ -66,7 +66,7 @@ def test_attention_logits_are_tau_over_head_dim_as_heads_widen(tau):
         gpt = params.init_gpt(cfg, jax.random.key(0))
         qkv, H = gpt.blocks.attn.qkv, cfg.n_head  # (L, D, heads, K): H query heads, then the keys'
         gpt = eqx.tree_at(lambda g: g.blocks.attn.qkv, gpt, qkv.at[:, :, H:2 * H].set(qkv[:, :, :H]))
-        sizes = mup.activation_sizes(gpt, np.zeros((1, 1), np.int32))  # one token: only the diagonal
+        sizes = sweeps.activation_sizes(gpt, np.zeros((1, 1), np.int32))  # one token: only the diagonal
         assert sizes["attn_logits"] == pytest.approx(tau, rel=1e-3), (D, cfg.head_dim)
 
 

@@ -248,3 +248,33 @@ def test_muon_on_4_fsdp_devices_equals_one_device(tmp_path):
     assert set(one.files) == set(four.files)
     for name in one.files:
         np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_optimizer_comparison_claims_only_what_its_numbers_allow():
+    """tools/optimizer_sweep.readme on made-up sweeps: the best LR is each optimizer's lowest mean
+    validation loss, the difference from AdamW's is claimed only when its 95% interval (Welch's t,
+    scipy's) excludes 0, a best LR at the grid's edge is said, and the steps to the target (the
+    highest final mean train loss) are the first window at or below it."""
+    from scipy import stats
+    from tools import optimizer_sweep as sweep
+
+    def run(best, vals, train):  # val at every LR: 9 except at the best
+        return {"lrs": [1e-3 * 2**k for k in range(4)], "best": best, "train": train,
+                "val": [vals if i == best else [9.0] * len(vals) for i in range(4)]}
+
+    doc = {"commit": "c0ffee", "dirty": False, "minutes": 1.0,
+           "settings": {"command": "python -m tools.optimizer_sweep --out=X", "config": "cfg",
+                        "overrides": [], "steps": 30, "seeds": 3},
+           "results": {"adamw": run(1, [2.00, 2.02, 2.04], [[3, 2.5, 2.1]] * 3),
+                       "lion": run(3, [2.01, 2.03, 2.05], [[3, 2.8, 2.4]] * 3),
+                       "muon": run(2, [1.80, 1.81, 1.82], [[2.4, 2.2, 2.0]] * 3)}}
+    text = sweep.readme(doc)
+    a, m = np.array([2.00, 2.02, 2.04]), np.array([1.80, 1.81, 1.82])
+    se2 = a.var(ddof=1) / 3 + m.var(ddof=1) / 3
+    df = se2**2 / ((a.var(ddof=1) / 3) ** 2 / 2 + (m.var(ddof=1) / 3) ** 2 / 2)
+    half = stats.t.ppf(0.975, df) * np.sqrt(se2)
+    assert f"| muon | 0.004 (2/3) | 1.810 ± 0.010 | {m.mean() - a.mean():.3f} ± {half:.3f} (resolved) |" in text
+    assert "- muon: better than AdamW at 30 steps (the 95% interval excludes 0)" in text
+    assert "- lion: not distinguishable from AdamW at 30 steps" in text and "grid's edge" in text
+    assert "Target train loss: 2.400" in text
+    assert sweep.steps_to([[3, 2.5, 2.1], [3, 2.8, 2.4], [2.6, 2.6, 2.6]], 2.4) == [30, 30, None]

@@ -70,7 +70,7 @@ def readme(doc: dict) -> str:
              + (" **with uncommitted changes**" if doc["dirty"] else "")
              + f"; {doc['minutes']:.0f} min on the machine that made it. Generated from "
              "optimizers.json: do not edit, rerun. How it is made: tools/optimizer_sweep.py.", "",
-             f"Config `{s['config']}` {' '.join(s['overrides'])}, {s['steps']} steps (its "
+             f"Config `{' '.join([s['config'], *s['overrides']])}`, {s['steps']} steps (its "
              f"schedule compressed), {s['seeds']} seeds, each optimizer's LR grid 8 points a "
              f"factor 2 apart. Target train loss: {target:.3f} (the highest of the final means).",
              "", "| optimizer | best LR (grid point) | val loss | minus AdamW (95%) | "
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{n}: {len(OPTIMIZERS[n][1])} LRs x {args.seeds} seeds, {args.steps} steps",
                   flush=True)
             results[n] = sweep(cfg, OPTIMIZERS[n][1], args.seeds, args.steps)
-        command = " ".join(["python -m tools.optimizer_sweep", *(argv or [])])
+        shown = ["--out=DIR" if a.startswith("--out") else a for a in argv or []]  # no paths
+        command = " ".join(["python -m tools.optimizer_sweep", *shown])
         doc = {"commit": state["commit"], "dirty": state["dirty"],
                "minutes": (time.monotonic() - start) / 60,
                "settings": {"command": command, "config": args.config, "overrides": overrides,

@@ -7,8 +7,8 @@ C streams, J states, M = C * J its mixing width. Modules see one sequence (T tok
 the batch with jax.vmap.
 
 The functions here are the definition of the math. kernels/ may hold a fused version of some
-(attend, qk_norm_rope, gelu, cross_entropy); a run uses one only after checking it against the function here
-where the model calls it, so an edit to this file always runs (kernels/fast_paths.py's select).
+(attend, qk_norm_rope, gelu, cross_entropy); a run uses one only after checking it against the
+function here where the model calls it, so an edit to this file always runs (fast_paths.select).
 """
 import math
 from typing import Callable, Literal, NamedTuple

@@ -68,8 +68,7 @@ def loss_fn(model: GPT, x_BT: jax.Array, y_BT: jax.Array, cfg: Config,
     h_BTD, _ = jax.vmap(model.hidden, spmd_axis_name=fast_paths.batch_axes())(x_BT, key=keys_B)
 
     def chunk_losses(h_btD, y_bt):  # sums over the chunk's tokens
-        # model.loss is model.cross_entropy of the readout (kernels/ may fuse the two); a term
-        # that needs the logits takes them from jax.vmap(model.logits)(h_btD)
+        # model.loss: model.cross_entropy (maybe fused); a term on the logits: model.logits
         cross_entropy = jax.vmap(model.loss)(h_btD, y_bt).sum()
         return cross_entropy, cross_entropy  # (objective, cross-entropy): add terms to the first
 

@@ -70,8 +70,9 @@ part mfu && { bench "${OWT[@]}"; bench "${XL[@]}"; bench "${XL[@]}" --config.sca
 TT=(--config=shakespeare_char --config.eval_interval=100 --time-to=1.4697)
 part time && bench "${TT[@]}"
 
-# 3. Each fast path set aside in turn, and all of them (kernels=false), at 124M in two 32-sequence
-#    microbatches (64 sequences without cuDNN's attention outgrew an H100: 99.7 GB on the H200).
+# 3. Each fast path set aside in turn, all of them (kernels=false), then Muon, at 124M in two
+#    32-sequence microbatches (64 sequences without cuDNN's attention outgrew an H100: 99.7 GB on
+#    the H200).
 FAST=(--config=openwebtext --config.batch_size=64 --config.grad_accum=2 --steps=10)
 if part fast; then
   bench "${FAST[@]}"
@@ -80,6 +81,7 @@ print(*sorted({p.name for p in f.FAST_PATHS}))" 2>> "$OUT/stderr.log"); do
     without "$name" "${FAST[@]}"
   done
   bench "${FAST[@]}" --config.kernels=false
+  bench "${FAST[@]}" --config.optimizer=muon  # Muon's cost over the AdamW line above (issue 44)
 fi
 
 # 4. One profile of the 124M step (bench.py --trace: the costliest ops on stderr, the trace in

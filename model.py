@@ -31,10 +31,8 @@ def tap(name: str, x: Array) -> Array:
 
 
 def batch_split(x: Array) -> Array:
-    """x kept split as train.py splits the batch (its vmap's spmd_axis_name adds the batch axis).
-    Under FSDP, XLA's partitioner would carry the D split of the embedding table it is looked up
-    in into every activation after it, and all-reduce them in each layer (tests/test_sharding.py).
-    Without a mesh (one device, sampling, export) it does nothing."""
+    """x split as train.py splits the batch: under FSDP, XLA would carry the embedding table's D
+    split into every activation and all-reduce them in each layer (tests/test_sharding.py)."""
     mesh = jax.sharding.get_abstract_mesh()
     return x if mesh.empty else jax.lax.with_sharding_constraint(x, jax.P())
 
@@ -106,8 +104,7 @@ def gelu(x: Array) -> Array:  # GPT-2's tanh form
 
 
 def readout(h_TD: Array, unembed_VD: Array, mult: float) -> Float[Array, "T V"]:
-    """Logits in float32 from the final norm's output. The matmul in the compute dtype, cast
-    after: its gradient's matmuls then run in the compute dtype too."""
+    """Logits in float32, the matmul in the compute dtype (so its gradient's matmuls are too)."""
     return mult * jnp.einsum("TD,VD->TV", h_TD, unembed_VD).astype(jnp.float32)
 
 
@@ -250,9 +247,8 @@ class Block(eqx.Module):
     def __call__(self, xs_TD: tuple[Array, ...], at: Positions, cache: KVCache | None = None,
                  key: Array | None = None) -> tuple[Array, KVCache | None]:
         """xs_TD: the residual stream (x,), or MUDD's streams for the queries, (keys,) values and
-        the residual. Returns the new residual stream and the layer's cache (Attention's). key:
-        dropout's. nanoGPT drops each branch's output before the residual add and the attention
-        probabilities (attn_dropout); here the former only: fused attention takes no dropout."""
+        the residual; the new residual stream and Attention's cache. key: dropout's, on each
+        branch's output as nanoGPT's (not on the attention probabilities: fused attention)."""
         *streams, x_TD = xs_TD
         attn_key, mlp_key = (None, None) if key is None else jax.random.split(key)
         normed = tuple(rms_norm(s, self.attn_norm) for s in streams or [x_TD])
@@ -343,10 +339,9 @@ class GPT(eqx.Module):
     def hidden(self, tokens_T: Int[Array, "T"], start=0, cache: KVCache | None = None,
                key: Array | None = None) -> tuple[Array, KVCache | None]:
         """The stream after the last block for tokens at positions start.., and sample.py's KV
-        cache (L in front) with them written. A lax.scan over the stacked blocks (compile time
-        flat in depth); with MUDD, whose blocks read every earlier state, a Python loop: a scan
-        would carry and save a copy of the whole history per layer. key: this sequence's dropout
-        key (train.py's); None, the default, is no dropout."""
+        cache with them written. A lax.scan over the stacked blocks (compile time flat in depth);
+        MUDD's blocks read every earlier state, so a Python loop (a scan would save the history
+        per layer). key: this sequence's dropout key (train.py's); None: no dropout."""
         S = None if cache is None else cache.v.shape[1]
         at = self.positions(start + jnp.arange(tokens_T.shape[0]), S)
         params, static = eqx.partition(self.blocks, eqx.is_array)
@@ -385,7 +380,7 @@ class GPT(eqx.Module):
 
     @jax.named_scope("readout")
     def loss(self, x_TD: Array, y_T: Int[Array, "T"]) -> Float[Array, "T"]:
-        """Each position's cross-entropy of its next token y_T (train.py's loss), from the stream."""
+        """Each position's cross-entropy of its next token y_T from the stream: train.py's loss."""
         cross_entropy_fn = self.fast_cross_entropy or cross_entropy
         return cross_entropy_fn(*self.readout_inputs(x_TD), self.readout_mult, y_T)
 

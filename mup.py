@@ -1,7 +1,7 @@
 """muP's evidence, remade by one command (muP: Tensor Programs V, Yang et al. 2022, arXiv
 2203.03466; its depth rules: CompleteP, Dey et al. 2025, arXiv 2505.01618):
 
-    python mup.py evidence --out=docs/mup [--preset=cpu|gpu|tiny] [--seeds=3]
+    python mup.py evidence --out=docs/mup [--preset=cpu|gpu|tiny] [--seeds=3] [--parts=P,...]
         [--config=shakespeare_char_cpu] [--config.F=V]
 
 Each part (PARTS) trains the real model (train.setup's step), on one device, at widths d_model x
@@ -202,13 +202,15 @@ def open_out(text: str, new: dict, rules_now: dict) -> tuple[Path, dict]:
     return out, old
 
 
-def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text: str) -> None:
-    """Every part, every size not yet in DIR/evidence.json; the files after each."""
+def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text: str,
+             now: list[str] = list(PARTS)) -> None:
+    """Every size of the parts `now` not yet in DIR/evidence.json; the files after each."""
     parts, rules_now = settings(evidence_config(name, preset, overrides), preset, seeds), rules()
     out, old = open_out(out_text, parts, rules_now)
     results = old.get("results", {})
-    todo = [(p, size) for p, s in parts.items() for size in s["sizes"]
-            if size not in results.get(p, {})]
+    missing = [(p, size) for p, s in parts.items() for size in s["sizes"]
+               if size not in results.get(p, {})]
+    todo = [(p, size) for p, size in missing if p in now]
     print(f"{out}/evidence.json has these settings' results: {len(todo)} sizes left" * bool(old))
     # the code that measured: this process's, before any training (the file's if nothing is left);
     # a dirty tree is labelled in the JSON and the README
@@ -232,7 +234,9 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
             left = spent / (done + 1) * (len(todo) - done - 1)
             print(f"[{done + 1}/{len(todo)}] {part}, {parts[part]['axis']} {size}: done; "
                   f"{spent / 60:.1f} min so far, about {left / 60:.0f} min left", flush=True)
-    print(f"all parts done: {out}/README.md")
+    later = len(missing) - len(todo)
+    print(f"{later} sizes of other parts left (rerun without --parts): " * bool(later) +
+          f"{'the parts asked' if later else 'all parts'} done: {out}/README.md")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,6 +249,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="sizes, steps and LR grid (PRESETS)")
     ap.add_argument("--seeds", type=int, default=SEEDS, help="seeds per size and LR (>= 1)")
     ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--parts", default=",".join(PARTS),
+                    help="the parts to measure in this run (default all); the same --out and "
+                         "command without --parts measure the others later")
     args, overrides = ap.parse_known_args(argv)  # --config.FIELD=VALUE, as launch.py takes them
 
     def interrupted(*_):
@@ -258,11 +265,14 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.seeds < 1:
             raise UsageError(f"--seeds={args.seeds}: at least 1 (3 or more for a spread)")
+        now = args.parts.split(",")
+        if unknown := [p for p in now if p not in PARTS]:
+            raise UsageError(f"--parts: no part {unknown[0]!r}; the parts: {', '.join(PARTS)}")
         cfg = evidence_config(args.config, args.preset, overrides)
         for s in settings(cfg, args.preset, args.seeds).values():  # all before any training
             for size in s["sizes"]:
                 resize(Config(**s["config"]), s["axis"], size).check(1)
-        evidence(args.config, overrides, args.preset, args.seeds, args.out)
+        evidence(args.config, overrides, args.preset, args.seeds, args.out, now)
     except (UsageError, RunError) as e:
         raise SystemExit(f"error: {e}")
     finally:

@@ -354,6 +354,22 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
         assert {f: f.read_bytes() for f in where.iterdir()} == before
 
 
+def test_parts_measures_those_now_and_the_same_command_the_rest_later(tmp_path, monkeypatch, capsys):
+    """--parts=lr_width,lr_depth (a slow optimizer's sweeps first, say): their sizes only, a line saying
+    what is left; the same command without --parts then measures only the others."""
+    args, done = ["evidence", "--config=shakespeare_char_cpu", f"--out={tmp_path}"], []
+    monkeypatch.setattr(mup, "measure", fake_measure(done))
+    sizes = {p: len(s["sizes"]) for p, s in mup.settings(configs.load("shakespeare_char_cpu")).items()}
+    mup.main([*args, "--parts=lr_width,lr_depth"])
+    results = json.loads((tmp_path / "evidence.json").read_text())["results"]
+    assert sorted(results) == ["lr_depth", "lr_width"] and len(done) == sizes["lr_width"] + sizes["lr_depth"]
+    left = sum(sizes.values()) - len(done)
+    assert f"{left} sizes of other parts left (rerun without --parts)" in capsys.readouterr().out
+    mup.main(args)
+    assert len(done) == sum(sizes.values()) and "all parts done" in capsys.readouterr().out
+    assert sorted(json.loads((tmp_path / "evidence.json").read_text())["results"]) == sorted(mup.PARTS)
+
+
 def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path, monkeypatch):
     """`python mup.py evidence --preset=tiny`, its muP LR sweep over width (the real training at toy
     sizes, 3 seeds, LRs and seeds vmapped in programs of 2 LRs as --preset=gpu's): the CPU dry run of what
@@ -378,7 +394,8 @@ def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path
                                          (["--out=/proc/mugpt"], "--out=/proc/mugpt cannot be written"),
                                          (["--out="], "--out= cannot be written (empty)"),
                                          (["--out=TMP/d"], "--out=TMP/d cannot be written (evidence.json is a directory)"),
-                                         (["--seeds=0"], "--seeds=0: at least 1")])
+                                         (["--seeds=0"], "--seeds=0: at least 1"),
+                                         (["--parts=lr_widht"], "--parts: no part 'lr_widht'; the parts: coord_width,")])
 def test_bad_evidence_arguments_are_one_line_errors_before_any_training(tmp_path, monkeypatch, args, error):
     """Each is refused before the first part trains (the whole takes most of an hour)."""
     def measure(*_):

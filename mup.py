@@ -203,7 +203,7 @@ def open_out(text: str, new: dict, rules_now: dict) -> tuple[Path, dict]:
 
 
 def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text: str,
-             now: list[str] = list(PARTS)) -> None:
+             now: tuple[str, ...] = tuple(PARTS)) -> None:
     """Every size of the parts `now` not yet in DIR/evidence.json; the files after each."""
     parts, rules_now = settings(evidence_config(name, preset, overrides), preset, seeds), rules()
     out, old = open_out(out_text, parts, rules_now)
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.seeds < 1:
             raise UsageError(f"--seeds={args.seeds}: at least 1 (3 or more for a spread)")
-        now = args.parts.split(",")
+        now = tuple(args.parts.split(","))
         if unknown := [p for p in now if p not in PARTS]:
             raise UsageError(f"--parts: no part {unknown[0]!r}; the parts: {', '.join(PARTS)}")
         cfg = evidence_config(args.config, args.preset, overrides)

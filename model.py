@@ -2,15 +2,14 @@
 
 Shapes: B batch, T time, S key positions, D model width, H heads, G key/value heads, R = H / G
 query heads per key/value head, N = H + 2G heads of the stacked q, k, v projection (H + G under
-SharedKV), K head dim, K2 = K / 2 RoPE's rotated pairs, F mlp width, V vocab, L layers; MUDD:
-C streams, J states, M = C * J its mixing width. Modules see one sequence (T tokens); train.py adds
-the batch with jax.vmap.
+SharedKV), K head dim, K2 = K / 2 RoPE's rotated pairs, F mlp width, V vocab, L layers. Modules
+see one sequence (T tokens); train.py adds the batch with jax.vmap. Where tokens sit (RoPE's tables,
+ALiBi's biases) and MUDD's connections between blocks are built from the config in layers/.
 
 The functions here are the definition of the math. kernels/ may hold a fused version of some
 (attend, qk_norm_rope, gelu, cross_entropy); a run uses one only after checking it against the
 function here where the model calls it, so an edit to this file always runs (fast_paths.select).
 """
-import math
 from typing import Callable, Literal, NamedTuple
 
 import equinox as eqx
@@ -19,6 +18,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from configs import Config
+from layers.mudd import Connections, run_blocks
+from layers.positions import Positions, positions
 
 # mup.py's coordinate check: tap(name, x) hands x to TAPS' functions at trace time, returns x
 TAPS: list[Callable[[str, Array], None]] = []
@@ -52,13 +53,6 @@ def layer_norm(x_THK: Array, gain_K: Array) -> Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * gain_K
 
 
-def rope_table(pos_T: Array, K: int, base: float) -> tuple[Array, Array]:
-    """cos and sin (T, K/2) of RoPE's angles pos * base^(-2i/K), built once for all blocks."""
-    inv_freq_K2 = base ** (-jnp.arange(K // 2, dtype=jnp.float32) / (K // 2))
-    angle_TK2 = pos_T.astype(jnp.float32)[:, None] * inv_freq_K2
-    return jnp.cos(angle_TK2), jnp.sin(angle_TK2)
-
-
 def rope(x_THK: Array, cos_TK2: Array, sin_TK2: Array) -> Array:
     """Rotary position embedding (Su et al. 2021), rotate-half form: dims i and i + K/2 form a pair
     rotated by the position's angle, so q.k depends on the positions' difference only."""
@@ -78,16 +72,6 @@ def qk_norm_rope(q_THK: Array, k_SGK: Array, q_gain_K: Array, k_gain_K: Array,
     if q_rope is not None:
         q_THK, k_SGK = rope(q_THK, *q_rope), rope(k_SGK, *k_rope)
     return q_THK.astype(dtype), k_SGK.astype(dtype)
-
-
-def alibi_bias(q_T: Array, k_S: Array, H: int) -> Array:
-    """ALiBi's (Press et al. 2022, arXiv 2108.12409) logit bias -m_h (i - j), query position i, key
-    position j. Slopes m: 2^(-8/H), 2^(-16/H), ... for H a power of two; else those of the power of
-    two below H, then every other one of twice that power (the paper's code, ZeRO-transformer's)."""
-    powers = lambda n: [2 ** (-8 * (i + 1) / n) for i in range(n)]  # noqa: E731
-    below = 2 ** math.floor(math.log2(H))
-    slopes_H = jnp.array(powers(below) + powers(2 * below)[0::2][:H - below], jnp.float32)
-    return -slopes_H[:, None, None] * (q_T[:, None] - k_S[None, :])
 
 
 def dropout(x: Array, rate: float, key: Array | None) -> Array:
@@ -135,16 +119,6 @@ def attend(q_THK: Array, k_SGK: Array, v_SGK: Array, scale: float, mask_TS: Arra
     return jnp.einsum("GRTS,SGK->TGRK", probs_GRTS, v_SGK).reshape(T, H, K)
 
 
-class Positions(NamedTuple):
-    """Where the T queries and S keys of a forward sit, built once for all blocks (GPT.positions):
-    RoPE's tables (None with ALiBi), and a mask only where a KV cache makes S differ from T."""
-    q_T: Array
-    k_S: Array
-    q_rope: tuple[Array, Array] | None
-    k_rope: tuple[Array, Array] | None
-    mask_TS: Array | None  # None: causal, the queries and keys are the same T tokens
-
-
 class KVCache(NamedTuple):
     """One layer's keys and values (L in front: every layer's) at positions 0..S-1 before the
     QK-norm and RoPE, which are applied again at every step. SharedKV keeps only the values."""
@@ -162,7 +136,6 @@ class Attention(eqx.Module):
     scale: float = eqx.field(static=True)  # attention logit multiplier: cfg.attn_scale
     kv_heads: int = eqx.field(static=True)  # G
     shared_kv: bool = eqx.field(static=True)
-    alibi: bool = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
     # fused versions of attend and qk_norm_rope that fast_paths.select checked, or None
     fast_attend: Callable | None = eqx.field(static=True)
@@ -174,7 +147,7 @@ class Attention(eqx.Module):
         self.qkv = jnp.zeros((D, H + (1 if self.shared_kv else 2) * G, K))
         self.out = jnp.zeros((H, K, D))
         self.q_norm, self.k_norm = jnp.ones(K), jnp.ones(K)
-        self.scale, self.kv_heads, self.alibi = cfg.attn_scale, G, cfg.position == "alibi"
+        self.scale, self.kv_heads = cfg.attn_scale, G
         self.dtype = cfg.compute_dtype
         self.fast_attend, self.fast_qk_norm_rope = fast.get("attend"), fast.get("qk_norm_rope")
 
@@ -205,9 +178,8 @@ class Attention(eqx.Module):
             k_TGK, v_TGK = k_SGK, v_SGK
         norm_rope = self.fast_qk_norm_rope or qk_norm_rope
         q_THK, k_SGK = norm_rope(q_THK, k_TGK, self.q_norm, self.k_norm, at.q_rope, at.k_rope)
-        bias_HTS = alibi_bias(at.q_T, at.k_S, q_THK.shape[1]) if self.alibi else None
         attend_fn = self.fast_attend or attend
-        o_THK = attend_fn(q_THK, k_SGK, v_TGK, self.scale, at.mask_TS, bias_HTS)
+        o_THK = attend_fn(q_THK, k_SGK, v_TGK, self.scale, at.mask_TS, at.bias_HTS)
         return tap("attn_out", jnp.einsum("THK,HKD->TD", o_THK, self.out.astype(self.dtype))), cache
 
 
@@ -257,33 +229,6 @@ class Block(eqx.Module):
         mlp_TD = self.mlp(rms_norm(x_TD, self.mlp_norm))
         x_TD = x_TD + self.branch_mult * dropout(mlp_TD, self.dropout_rate, mlp_key)
         return tap("resid", x_TD), cache
-
-
-class Connections(eqx.Module):
-    """MUDD's dynamic dense connections after block i (Xiao et al. 2025, arXiv 2502.12170): per
-    token, weights A (C, J) = GELU(RMSNorm(X_i+1) W1) W2 + b of the J = i + 2 states so far (the
-    embedding, each block's output), one weighted sum per stream (C: Attention's inputs and the
-    residual; 1 after the last block). W2 = 0 and b one-hot on X_i+1 at init: the baseline."""
-    w1: Float[Array, "D CJ"]
-    w2: Float[Array, "CJ CJ"]
-    b: Float[Array, "C J"]  # stored as b minus the one-hot, so every parameter starts at 0 mean
-
-    def __init__(self, cfg: Config, i: int):
-        C = (3 if cfg.attention == "sharedkv" else 4) if i < cfg.n_layer - 1 else 1
-        J = i + 2
-        self.w1, self.w2 = jnp.zeros((cfg.d_model, C * J)), jnp.zeros((C * J, C * J))
-        self.b = jnp.zeros((C, J))
-
-    @jax.named_scope("mudd")
-    def __call__(self, states_JTD: list[Array]) -> tuple[Array, ...]:
-        (C, J), x_TD = self.b.shape, states_JTD[-1]
-        h_TM = gelu(jnp.einsum("TD,DM->TM", rms_norm(x_TD, None), self.w1.astype(x_TD.dtype)))
-        a_TCJ = (h_TM @ self.w2.astype(x_TD.dtype)).reshape(-1, C, J)  # w2: (M, M)
-        a_TCJ = (a_TCJ + self.b + jnp.eye(J)[-1]).astype(x_TD.dtype)  # b is float32: keep bf16
-        # sums of products rather than an einsum over the stacked states: the backward then keeps
-        # the states (alive anyway), not a stacked copy per layer (L^2 T D memory)
-        return tuple(sum(a_TCJ[:, c, j, None] * x for j, x in enumerate(states_JTD))
-                     for c in range(C))
 
 
 class Embeddings(eqx.Module):  # the readout stored like embed, so that eqx.nn.Shared can tie them
@@ -339,9 +284,8 @@ class GPT(eqx.Module):
     def hidden(self, tokens_T: Int[Array, "T"], start=0, cache: KVCache | None = None,
                key: Array | None = None) -> tuple[Array, KVCache | None]:
         """The stream after the last block for tokens at positions start.., and sample.py's KV
-        cache with them written. A lax.scan over the stacked blocks (compile time flat in depth);
-        MUDD's blocks read every earlier state, so a Python loop (a scan would save the history
-        per layer). key: this sequence's dropout key (train.py's); None: no dropout."""
+        cache with them written. A lax.scan over the stacked blocks (compile time flat in depth).
+        key: this sequence's dropout key (train.py's); None: no dropout."""
         S = None if cache is None else cache.v.shape[1]
         at = self.positions(start + jnp.arange(tokens_T.shape[0]), S)
         params, static = eqx.partition(self.blocks, eqx.is_array)
@@ -356,17 +300,10 @@ class GPT(eqx.Module):
             policy = REMAT_POLICIES[self.remat]
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=self.mudd is not None)
         x_TD = dropout(self.embed(tokens_T), self.dropout_rate, embed_key)
-        if self.mudd is None:
-            step = lambda x_TD, inputs: layer((x_TD,), inputs)
-            return jax.lax.scan(step, x_TD, (params, cache, block_keys), unroll=self.unroll)
-        states, xs_TD, caches = [x_TD], (x_TD,), []
-        for i, connect in enumerate(self.mudd):
-            inputs = jax.tree.map(lambda a: a[i], (params, cache, block_keys))
-            x_TD, layer_cache = layer(xs_TD, inputs)
-            states.append(x_TD)
-            caches.append(layer_cache)
-            xs_TD = connect(states)
-        return xs_TD[0], None if cache is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
+        if self.mudd is not None:  # layers/mudd.py: each block reads every earlier state
+            return run_blocks(self.mudd, layer, x_TD, (params, cache, block_keys))
+        step = lambda x_TD, inputs: layer((x_TD,), inputs)
+        return jax.lax.scan(step, x_TD, (params, cache, block_keys), unroll=self.unroll)
 
     @jax.named_scope("embed")
     def embed(self, tokens_T: Int[Array, "T"]) -> Array:
@@ -388,14 +325,6 @@ class GPT(eqx.Module):
         return rms_norm(x_TD, self.final_norm), self.embeddings().unembed.astype(self.dtype)
 
     def positions(self, q_T: Array, S: int | None = None) -> Positions:
-        """Positions of queries at q_T; keys at the same ones, or with a KV cache of S positions
-        at 0..S-1, a mask hiding those after each query."""
-        k_S = q_T if S is None else jnp.arange(S)
-        mask_TS = None if S is None else k_S[None, :] <= q_T[:, None]
-        if self.rope_base is None:
-            return Positions(q_T, k_S, None, None, mask_TS)
-        K = self.blocks.attn.out.shape[2]
-        q_rope = rope_table(q_T, K, self.rope_base)
-        k_rope = q_rope if S is None else rope_table(k_S, K, self.rope_base)
-        return Positions(q_T, k_S, q_rope, k_rope, mask_TS)
-
+        """Queries at q_T; keys at the same positions or a KV cache's S (layers/positions.py)."""
+        H, K = self.blocks.attn.out.shape[1:3]  # the stacked blocks' (L, H, K, D)
+        return positions(q_T, S, H, K, self.rope_base)

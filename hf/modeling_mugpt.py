@@ -54,7 +54,7 @@ def rope(x_BHTK, pos_BT, base):
 def alibi_slopes(H):
     """ALiBi's (Press et al. 2022, arXiv 2108.12409) slopes: 2^(-8/H), 2^(-16/H), ... for H a
     power of two; else those of the power of two below H, then every other one of twice that
-    power (the paper's code), as model.alibi_bias."""
+    power (the paper's code), as layers.positions.alibi_bias."""
     powers = lambda n: [2 ** (-8 * (i + 1) / n) for i in range(n)]  # noqa: E731
     below = 2 ** math.floor(math.log2(H))
     return torch.tensor(powers(below) + powers(2 * below)[0::2][:H - below])
@@ -135,9 +135,9 @@ class Block(nn.Module):
 
 
 class Connections(nn.Module):
-    """model.Connections: MUDD's dynamic dense connections after block i (Xiao et al. 2025, arXiv
-    2502.12170): per token, A (C, J) = GELU(RMSNorm(X_i+1) W1) W2 + b + one-hot(J - 1) weighs the
-    J = i + 2 states so far (embedding, each block's output) into C streams."""
+    """layers.mudd.Connections: MUDD's dynamic dense connections after block i (Xiao et al. 2025,
+    arXiv 2502.12170): per token, A (C, J) = GELU(RMSNorm(X_i+1) W1) W2 + b + one-hot(J - 1)
+    weighs the J = i + 2 states so far (embedding, each block's output) into C streams."""
 
     def __init__(self, cfg: MuGPTConfig, layer: int):
         super().__init__()
@@ -150,7 +150,7 @@ class Connections(nn.Module):
     def forward(self, states):
         B, T, _ = states[-1].shape
         h = F.gelu(self.w1(rms_norm(states[-1])), approximate="tanh")
-        # model.Connections: b and the one-hot added in float32, then back to the streams' dtype
+        # layers.mudd's: b and the one-hot added in float32, then back to the streams' dtype
         a_BTCJ = self.w2(h).view(B, T, self.C, self.J).float() + self.b.float()
         a_BTCJ = (a_BTCJ + F.one_hot(torch.tensor(self.J - 1), self.J)).to(h.dtype)
         return [sum(a_BTCJ[..., c, j, None] * x for j, x in enumerate(states))

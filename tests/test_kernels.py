@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import model as M
+from layers.positions import rope_table
 import params
 from conftest import ROOT, run, tiny
 from test_model import numpy_forward, random_gpt
@@ -48,7 +49,7 @@ def test_the_pallas_kernel_is_layer_norm_then_rope(monkeypatch, G):
     keys = jax.random.split(jax.random.key(0), 6)
     q, k = jax.random.normal(keys[0], (T, H, K)), jax.random.normal(keys[1], (T, G, K))
     q_gain, k_gain = (1 + 0.3 * jax.random.normal(key, (K,)) for key in keys[2:4])
-    table = M.rope_table(jnp.arange(T), K, 10000.0)
+    table = rope_table(jnp.arange(T), K, 10000.0)
     fused = lambda *a: pallas.qk_norm_rope(*a, *table)
     out, pullback = jax.vjp(fused, q, k, q_gain, k_gain)
     for got, x, gain in zip(out, (q, k), (q_gain, k_gain)):

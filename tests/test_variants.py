@@ -11,6 +11,7 @@ import pytest
 
 from run import metrics
 import model as M
+from layers.positions import alibi_bias
 from inference import decode
 import params
 from conftest import ROOT, TINY_RUN, run, tiny
@@ -45,11 +46,11 @@ def test_alibi_slopes_are_the_papers():
     """Press et al. 2022: for 8 heads 1/2, 1/4, ..., 1/256; for 6, not a power of two, the 4-head
     slopes then every other one of the 8-head slopes (their code's interleaving). The bias of a key
     3 positions back is -3 m_h; of a key ahead, +m_h (the mask hides those)."""
-    slopes = lambda H: -M.alibi_bias(jnp.arange(2), jnp.arange(2), H)[:, 1, 0]
+    slopes = lambda H: -alibi_bias(jnp.arange(2), jnp.arange(2), H)[:, 1, 0]
     np.testing.assert_allclose(slopes(8), [2.0 ** -i for i in range(1, 9)], rtol=1e-6)
     want6 = np.array([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3])
     np.testing.assert_allclose(slopes(6), want6, rtol=1e-6)
-    bias = M.alibi_bias(jnp.arange(5, 6), jnp.arange(2, 7), 6)  # query at 5, keys at 2..6
+    bias = alibi_bias(jnp.arange(5, 6), jnp.arange(2, 7), 6)  # query at 5, keys at 2..6
     np.testing.assert_allclose(bias[:, 0], -want6[:, None] * np.array([3, 2, 1, 0, -1]), rtol=1e-6)
 
 

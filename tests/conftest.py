@@ -1,4 +1,5 @@
 """Shared test setup: the repo on sys.path, tiny configs, and the shakespeare_char data."""
+import concurrent.futures
 import dataclasses
 import os
 import shutil
@@ -84,3 +85,11 @@ def run(args: list[str], env: dict | None = None, timeout: int = 600) -> subproc
     full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_each(commands: list[list[str]], env: dict | None = None,
+             timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """run() of each command at once, in its order: the comparisons of 1 against N devices are
+    independent processes, and one alone leaves a core idle while it imports and traces."""
+    with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda args: run(args, env, timeout), commands))

@@ -3,14 +3,12 @@
 updated parameters. test_train.py's test_fsdp_matches_one_device does the same on 8 devices."""
 import numpy as np
 
-from conftest import ROOT, run
+from conftest import ROOT, run_each
 
 
 def test_one_step_on_two_devices_equals_one_device(tmp_path):
-    saved = []
-    for n in (1, 2):
-        saved.append(tmp_path / f"d{n}.npz")
-        r = run([str(ROOT / "tests/fsdp_probe.py"), str(n), str(saved[-1])])
+    saved = [tmp_path / f"d{n}.npz" for n in (1, 2)]
+    for r in run_each([[str(ROOT / "tests/fsdp_probe.py"), str(n), str(saved[n - 1])] for n in (1, 2)]):
         assert r.returncode == 0, r.stderr[-2000:]
     one, two = map(np.load, saved)
     assert set(one.files) == set(two.files) and len(one.files) > 10

@@ -12,7 +12,7 @@ import pytest
 import model as M
 from layers.positions import rope_table
 import params
-from conftest import ROOT, run, tiny
+from conftest import ROOT, run, run_each, tiny
 from test_model import numpy_forward, random_gpt
 
 
@@ -330,10 +330,10 @@ def test_sharded_kernels_match_one_device(tmp_path):
     """8 simulated devices, all FSDP, every kernel per device (Pallas in its interpreter): the
     probe asserts each pallas_call runs in a shard_map on the device's own sequences, and the loss,
     gradients and updated parameters equal one device's of model.py's functions."""
-    outputs = {}
-    for devices, extra in ((1, []), (8, ["1", "kernels"])):
-        outputs[devices] = tmp_path / f"d{devices}.npz"
-        r = run([str(ROOT / "tests/fsdp_probe.py"), str(devices), str(outputs[devices]), *extra])
+    outputs = {devices: tmp_path / f"d{devices}.npz" for devices in (1, 8)}
+    probe = lambda devices, *extra: [str(ROOT / "tests/fsdp_probe.py"), str(devices),  # noqa: E731
+                                     str(outputs[devices]), *extra]
+    for r in run_each([probe(1), probe(8, "1", "kernels")]):
         assert r.returncode == 0, r.stderr
     one, many = np.load(outputs[1]), np.load(outputs[8])
     assert set(many.files) == set(one.files)

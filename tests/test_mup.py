@@ -18,7 +18,7 @@ import mup
 import params
 from tools import plots, sweeps
 import train
-from conftest import ROOT, run, tiny
+from conftest import ROOT, run, run_each, tiny
 
 
 def mup_tiny(**overrides):
@@ -408,7 +408,9 @@ def test_bad_evidence_arguments_are_one_line_errors_before_any_training(tmp_path
         mup.main(["evidence", f"--out={tmp_path}", *args])  # a later --out wins
 
 
-SWEEPS = """import dataclasses, json, sys, jax, configs
+SWEEPS = """import dataclasses, json, sys, jax
+jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
+import configs
 from tools import sweeps
 cfg = dataclasses.replace(configs.load("shakespeare_char_cpu"), d_model=32, n_head=1, kernels=False)
 print(json.dumps([sweeps.coord_check(cfg, 1, 1), sweeps.train_runs(cfg, [1e-3, 2e-3], 1, 2)[1].tolist()]))
@@ -420,8 +422,7 @@ def test_sweeps_run_on_one_device_of_several(shakespeare):
     """With two devices in the process both measurements run (coord's ordered callback is refused by JAX on a
     mesh of two) and give the same numbers, bit for bit, as with one: the same one-device program."""
     results = []
-    for n in (1, 2):
-        done = run(["-c", SWEEPS], env={"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"})
+    for n, done in zip((1, 2), run_each([["-c", SWEEPS, "1"], ["-c", SWEEPS, "2"]])):
         assert done.returncode == 0 and f"devices: {n}" in done.stdout, done.stderr[-2000:]
         results.append(done.stdout.splitlines()[0])
     assert results[0] == results[1]

@@ -16,7 +16,7 @@ import optimizers
 import params
 import test_checkpoint as ckpt  # its launch helpers (a module attribute: its tests stay its own)
 from configs import Config
-from conftest import ROOT, run, tiny
+from conftest import ROOT, run_each, tiny
 from model import GPT
 from params import Policy
 from run.errors import UsageError
@@ -239,10 +239,9 @@ def test_muon_on_4_fsdp_devices_equals_one_device(tmp_path):
     """fsdp_probe.py's step with Muon: parameters, momentum and the orthogonalised matrices split
     4 ways over fsdp (XLA gathers what Newton-Schulz's matmuls need); the loss, gradients and
     updated parameters equal one device's."""
-    out = {}
-    for n in (1, 4):
-        out[n] = tmp_path / f"d{n}.npz"
-        r = run([str(ROOT / "tests/fsdp_probe.py"), str(n), str(out[n]), "1", "optimizer=muon"])
+    out = {n: tmp_path / f"d{n}.npz" for n in (1, 4)}
+    for r in run_each([[str(ROOT / "tests/fsdp_probe.py"), str(n), str(out[n]), "1", "optimizer=muon"]
+                       for n in (1, 4)]):
         assert r.returncode == 0, r.stderr
     one, four = np.load(out[1]), np.load(out[4])
     assert set(one.files) == set(four.files)

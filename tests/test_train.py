@@ -13,26 +13,30 @@ from model import GPT
 import params
 from params import init_gpt
 import train
-from conftest import ROOT, run, tiny
+from conftest import ROOT, run_each, tiny
+
+
+MESHES = [(8, 1, ""), (8, 2, ""), (8, 2, "kernels")]  # devices, replicas, every fused kernel
 
 
 @pytest.fixture(scope="module")
-def one_device(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp") / "d1.npz"
-    r = run([str(ROOT / "tests/fsdp_probe.py"), "1", str(out)])
-    assert r.returncode == 0, r.stderr
-    return np.load(out)
+def fsdp_runs(tmp_path_factory):
+    """fsdp_probe.py's step on one device and on each mesh of MESHES, all at once."""
+    runs = [(1, 1, "")] + MESHES
+    outs = [tmp_path_factory.mktemp("fsdp") / f"d{n}.npz" for n, _, _ in runs]
+    done = run_each([[str(ROOT / "tests/fsdp_probe.py"), str(n), str(out), str(replica), kernels]
+                     for (n, replica, kernels), out in zip(runs, outs)])
+    for r in done:
+        assert r.returncode == 0, r.stderr
+    return {key: np.load(out) for key, out in zip(runs, outs)}
 
 
-@pytest.mark.parametrize("devices,replica,kernels", [(8, 1, ""), (8, 2, ""), (8, 2, "kernels")])
-def test_fsdp_matches_one_device(one_device, tmp_path, devices, replica, kernels):
+@pytest.mark.parametrize("devices,replica,kernels", MESHES)
+def test_fsdp_matches_one_device(fsdp_runs, devices, replica, kernels):
     """Loss, gradients and the updated parameters on 8 devices (all FSDP, or 2 replicas x 4, and
     with every fused kernel in its place) equal those on one device of model.py's functions; the
     probe asserts every large parameter really is split over the fsdp axis."""
-    out = tmp_path / "d8.npz"
-    r = run([str(ROOT / "tests/fsdp_probe.py"), str(devices), str(out), str(replica), kernels])
-    assert r.returncode == 0, r.stderr
-    many = np.load(out)
+    one_device, many = fsdp_runs[1, 1, ""], fsdp_runs[devices, replica, kernels]
     assert set(many.files) == set(one_device.files)
     for name in one_device.files:
         np.testing.assert_allclose(many[name], one_device[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -14,7 +14,7 @@ import model as M
 from layers.positions import alibi_bias
 from inference import decode
 import params
-from conftest import ROOT, TINY_RUN, run, tiny
+from conftest import ROOT, TINY_RUN, run, run_each, tiny
 from test_checkpoint import env, final_state, launch_args, records, tiny_config  # noqa: F401
 from test_model import numpy_forward, random_gpt
 
@@ -126,15 +126,15 @@ def test_a_bad_variant_is_one_line(override, message, tmp_path):
 def fsdp_runs(tmp_path_factory):
     """fsdp_probe.py's step on 1 and on 4 devices, for two sets of variants that together take
     every code path (SharedKV, ALiBi, MUDD over SharedKV's three streams; GQA, MUDD's four)."""
-    out = {}
-    for variants in (("attention=sharedkv", "position=alibi", "connections=mudd", "n_kv_head=2"),
-                     ("n_kv_head=2", "connections=mudd")):
-        for devices in (1, 4):
-            path = tmp_path_factory.mktemp("fsdp") / f"{devices}.npz"
-            r = run([str(ROOT / "tests/fsdp_probe.py"), str(devices), str(path), "1", *variants])
-            assert r.returncode == 0, r.stderr
-            out[variants, devices] = np.load(path)
-    return out
+    runs = [(variants, devices, tmp_path_factory.mktemp("fsdp") / f"{devices}.npz")
+            for variants in (("attention=sharedkv", "position=alibi", "connections=mudd",
+                              "n_kv_head=2"), ("n_kv_head=2", "connections=mudd"))
+            for devices in (1, 4)]
+    done = run_each([[str(ROOT / "tests/fsdp_probe.py"), str(devices), str(path), "1", *variants]
+                     for variants, devices, path in runs])
+    for r in done:
+        assert r.returncode == 0, r.stderr
+    return {(variants, devices): np.load(path) for variants, devices, path in runs}
 
 
 def test_variants_on_4_fsdp_devices_equal_one_device(fsdp_runs):

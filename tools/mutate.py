@@ -81,6 +81,19 @@ MUTATIONS = {
     "loss of the readout's logits without the readout multiplier": (
         "model.py", [("return mult * jnp.einsum(\"TD,VD->TV\"", "return jnp.einsum(\"TD,VD->TV\"")],
         ["tests/test_model.py::test_loss_of_a_random_model_is_numpys_cross_entropy"]),
+    "KV cache: a query does not see its own key": (
+        "layers/positions.py", [("mask_TS = None if S is None else k_S[None, :] <= q_T[:, None]",
+                                 "mask_TS = None if S is None else k_S[None, :] < q_T[:, None]")],
+        ["tests/test_sample.py::test_extend_gives_the_full_forward_logits",
+         "tests/test_variants.py::test_kv_cache_decoding_equals_the_full_forward"]),
+    "ALiBi's bias of the key's distance with the wrong sign": (
+        "layers/positions.py", [("* (q_T[:, None] - k_S[None, :])",
+                                 "* (k_S[None, :] - q_T[:, None])")],
+        ["tests/test_variants.py::test_variant_matches_numpy_reference"]),
+    "MUDD's one-hot on the embedding, not the newest state": (
+        "layers/mudd.py", [("self.b + jnp.eye(J)[-1]", "self.b + jnp.eye(J)[0]")],
+        ["tests/test_variants.py::test_mudd_at_init_is_the_baseline_and_its_weights_matter",
+         "tests/test_variants.py::test_variant_matches_numpy_reference"]),
     "attention logits scaled by half (autodiff agrees with itself)": (
         "model.py", [("self.scale, self.kv_heads = cfg.attn_scale, G",
                       "self.scale, self.kv_heads = cfg.attn_scale / 2, G")],

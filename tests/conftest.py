@@ -87,9 +87,14 @@ def run(args: list[str], env: dict | None = None, timeout: int = 600) -> subproc
                           timeout=timeout)
 
 
-def run_each(commands: list[list[str]], env: dict | None = None,
-             timeout: int = 600) -> list[subprocess.CompletedProcess]:
-    """run() of each command at once, in its order: the comparisons of 1 against N devices are
-    independent processes, and one alone leaves a core idle while it imports and traces."""
+def run_each(commands: list[list[str]], env: dict | None = None, timeout: int = 600,
+             devices: list[int] | None = None) -> list[subprocess.CompletedProcess]:
+    """run() of each command at once, in its order: the processes of a multi-host run, which
+    must be alive together, or the comparisons of 1 against N devices, where one alone leaves a
+    core idle while it imports and traces. devices: each command's simulated CPU devices (XLA's
+    flag; a probe may set its own). A hang fails the test after `timeout` seconds."""
+    flags = [{} if n is None else {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+             for n in devices or [None] * len(commands)]
     with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(lambda args: run(args, env, timeout), commands))
+        return list(pool.map(lambda args, flag: run(args, {**(env or {}), **flag}, timeout),
+                             commands, flags))

@@ -11,7 +11,7 @@ import pytest
 import data
 from run import reading
 from run.errors import UsageError
-from conftest import ROOT, run, tiny
+from conftest import ROOT, run, run_each, tiny
 
 
 def test_shakespeare_char_counts(shakespeare):
@@ -77,13 +77,10 @@ def test_the_batch_of_each_step_is_the_documented_one():
 def test_two_processes_read_the_documented_batches():
     """Two processes x 2 devices (jax.distributed on 127.0.0.1): each one's shards of steps
     0..4, on a 1 x 4 and a 2 x 2 mesh, are the formula's rows (tests/batch_probe.py asserts)."""
-    import os
+    from test_multihost import free_port
 
-    from test_multihost import free_port, together
-
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
     probe, port = str(ROOT / "tests/batch_probe.py"), free_port()
-    results = together([([probe, f"127.0.0.1:{port}", str(i)], 2) for i in range(2)], env, 120)
+    results = run_each([[probe, f"127.0.0.1:{port}", str(i)] for i in range(2)], None, 120, [2, 2])
     for i, r in enumerate(results):
         assert r.returncode == 0 and f"process {i}: ok" in r.stdout, r.stderr[-3000:]
 

@@ -2,10 +2,7 @@
 each (jax.distributed on 127.0.0.1, gloo collectives) against one process of 4 devices."""
 import dataclasses
 import json
-import os
 import socket
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -15,7 +12,7 @@ from etils import epath
 import configs
 import train
 from run.checkpoint import checkpoint_manager, restore_checkpoint
-from conftest import ROOT, TINY_RUN
+from conftest import ROOT, TINY_RUN, run_each
 
 STEPS = 10
 # A tiny model on shakespeare_char; every step logged, evaluations at 0 and STEPS, checkpoints at
@@ -25,12 +22,9 @@ TINY = [*TINY_RUN, "--config.eval_batches=1", "--config.log_interval=1",
         f"--config.max_steps={STEPS}"]
 
 
-@pytest.fixture(scope="module")
-def env() -> dict:
-    """No persistent compilation cache: a multi-device CPU step loaded from it can run its
-    collectives in different orders on different devices and hang
-    (test_checkpoint_restores_onto_another_mesh)."""
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+# The processes run in conftest.run's environment, not with test_checkpoint's persistent
+# compilation cache: a multi-device CPU step loaded from it can run its collectives in different
+# orders on different devices and hang (test_checkpoint_restores_onto_another_mesh).
 
 
 def free_port() -> int:
@@ -39,28 +33,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def together(commands: list[tuple[list[str], int]], env: dict,
-             timeout: int = 240) -> list[subprocess.CompletedProcess]:
-    """Run (argv, CPU devices) commands at once; a hang fails the test after `timeout` seconds."""
-    split = lambda n: {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
-    procs = [subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=split(devices))
-             for argv, devices in commands]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-        return [subprocess.CompletedProcess(p.args, p.returncode, *out)
-                for p, out in zip(procs, outputs)]
-    finally:
-        for p in procs:
-            p.kill()
-
-
-def multihost(rundir, *args: str) -> list[tuple[list[str], int]]:
-    """The commands of a run as two processes of 2 devices each, joined by jax.distributed on a
-    free port."""
+def multihost(rundir, *args: str) -> list[list[str]]:
+    """The commands of a run as two processes (of 2 devices each: run_each's devices), joined by
+    jax.distributed on a free port."""
     port = free_port()
     join = ["--multihost", f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2"]
-    return [(["launch.py", *TINY, f"--rundir={rundir}", *join, f"--process_id={i}", *args], 2)
+    return [["launch.py", *TINY, f"--rundir={rundir}", *join, f"--process_id={i}", *args]
             for i in range(2)]
 
 
@@ -83,25 +61,25 @@ def restored(rundir, cfg: configs.Config) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves((model, opt_state))]
 
 
-def test_mesh_and_batch_rows_per_process(env):
+def test_mesh_and_batch_rows_per_process():
     """make_mesh puts replicas across processes, fsdp within; each process reads only its rows (the
     probe asserts)."""
     port = free_port()
     probe = str(ROOT / "tests/mesh_probe.py")
-    results = together([([probe, f"127.0.0.1:{port}", str(i)], 2) for i in range(2)], env)
+    results = run_each([[probe, f"127.0.0.1:{port}", str(i)] for i in range(2)], None, 240, [2, 2])
     for i, r in enumerate(results):
         assert r.returncode == 0 and f"process {i}: ok" in r.stdout, r.stderr
 
 
 @pytest.mark.parametrize("replica", [1, 2])
-def test_two_processes_train_as_one(shakespeare, tmp_path, env, replica):
+def test_two_processes_train_as_one(shakespeare, tmp_path, replica):
     """Two processes x 2 devices and one process x 4 devices, on a 1 x 4 (all FSDP) or a 2 x 2
     (replica x fsdp) mesh: the same loss at every step and evaluation, and checkpoints that restore
     to the same state. Process 0 alone prints progress and writes the run directory."""
     mesh = f"--config.mesh_replica={replica}"
     one, two = tmp_path / "one", tmp_path / "two"
-    alone = (["launch.py", *TINY, f"--rundir={one}", mesh], 4)
-    r_one, *r_two = together([alone, *multihost(two, mesh)], env)
+    alone = ["launch.py", *TINY, f"--rundir={one}", mesh]
+    r_one, *r_two = run_each([alone, *multihost(two, mesh)], None, 240, [4, 2, 2])
     for r in (r_one, *r_two):
         assert r.returncode == 0, r.stderr
     assert f"mesh {{'replica': {replica}, 'fsdp': {4 // replica}}}" in r_two[0].stdout
@@ -136,7 +114,7 @@ def test_two_processes_train_as_one(shakespeare, tmp_path, env, replica):
 
 
 @pytest.mark.parametrize("where", ["data", "loop"])
-def test_a_failure_in_one_process_stops_both_with_its_reason(shakespeare, tmp_path, env, where):
+def test_a_failure_in_one_process_stops_both_with_its_reason(shakespeare, tmp_path, where):
     """data: process 1's data directory lacks train.bin (its fetch failed) and it stops before
     training. loop: process 0 cannot write metrics.jsonl at its first log, after the first
     collectives. Either way the other process, which would wait in its next collective, stops
@@ -148,13 +126,13 @@ def test_a_failure_in_one_process_stops_both_with_its_reason(shakespeare, tmp_pa
         for name in ("meta.json", "val.bin"):
             (bad / name).write_bytes((shakespeare / name).read_bytes())
         commands = multihost(rundir)
-        commands[1][0].append(f"--config.data_root={bad.parent}")
+        commands[1].append(f"--config.data_root={bad.parent}")
         failing, reason = 1, f"{bad / 'train.bin'} is missing"
     else:
         (rundir / "metrics.jsonl.tmp").mkdir(parents=True)
         commands, failing = multihost(rundir), 0
         reason = "IsADirectoryError: [Errno 21] Is a directory"
-    results = together(commands, env, timeout=120)
+    results = run_each(commands, None, 120, [2, 2])
     for i, r in enumerate(results):
         last = r.stderr.strip().splitlines()[-1]
         assert r.returncode == 1, r.stderr

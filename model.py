@@ -301,7 +301,7 @@ class GPT(eqx.Module):
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=self.mudd is not None)
         x_TD = dropout(self.embed(tokens_T), self.dropout_rate, embed_key)
         if self.mudd is not None:  # layers/mudd.py: each block reads every earlier state
-            return run_blocks(self.mudd, layer, x_TD, (params, cache, block_keys))
+            return run_blocks(self.mudd, layer, x_TD, (params, cache, block_keys), rms_norm, gelu)
         step = lambda x_TD, inputs: layer((x_TD,), inputs)
         return jax.lax.scan(step, x_TD, (params, cache, block_keys), unroll=self.unroll)
 

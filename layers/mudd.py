@@ -2,8 +2,8 @@
 model.py's cfg.connections="mudd": after block i, per token, weights A (C, J) = GELU(RMSNorm(X_i+1)
 W1) W2 + b of the J = i + 2 states so far (the embedding, each block's output), one weighted sum
 per stream (C: the queries', keys' and values' inputs and the residual; 1 after the last block).
-W2 = 0 and b one-hot on X_i+1 at init: the plain residual stream. Its norm (no gain) and GELU are
-the paper's, written here: an edit of model.py's rms_norm or gelu leaves them as they are.
+W2 = 0 and b one-hot on X_i+1 at init: the plain residual stream. Its RMSNorm (no gain) and GELU
+are model.py's, handed in by GPT.hidden (this file imports no model.py: no import cycle).
 Shapes as in model.py: C streams, J states, M = C * J the mixing width."""
 from typing import Any, Callable
 
@@ -27,11 +27,9 @@ class Connections(eqx.Module):
         self.b = jnp.zeros((C, J))
 
     @jax.named_scope("mudd")
-    def __call__(self, states_JTD: list[Array]) -> tuple[Array, ...]:
+    def __call__(self, states_JTD: list[Array], norm: Callable, act: Callable) -> tuple[Array, ...]:
         (C, J), x_TD = self.b.shape, states_JTD[-1]
-        x = x_TD.astype(jnp.float32)  # RMSNorm in float32, as model.rms_norm
-        x = (x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)).astype(x_TD.dtype)
-        h_TM = jax.nn.gelu(jnp.einsum("TD,DM->TM", x, self.w1.astype(x_TD.dtype)))
+        h_TM = act(jnp.einsum("TD,DM->TM", norm(x_TD, None), self.w1.astype(x_TD.dtype)))
         a_TCJ = (h_TM @ self.w2.astype(x_TD.dtype)).reshape(-1, C, J)  # w2: (M, M)
         a_TCJ = (a_TCJ + self.b + jnp.eye(J)[-1]).astype(x_TD.dtype)  # b is float32: keep bf16
         # sums of products rather than an einsum over the stacked states: the backward then keeps
@@ -40,16 +38,17 @@ class Connections(eqx.Module):
                      for c in range(C))
 
 
-def run_blocks(connections: tuple[Connections, ...], layer: Callable, x_TD: Array,
-               inputs: Any) -> tuple[Array, Any]:
+def run_blocks(connections: tuple[Connections, ...], layer: Callable, x_TD: Array, inputs: Any,
+               norm: Callable, act: Callable) -> tuple[Array, Any]:
     """The blocks one after another, each reading the streams the Connections before it made of
     every earlier state: a Python loop, as a scan would save the whole history per layer.
     layer(xs_TD, inputs of block i) -> (x_TD, block i's cache); inputs: the stacked blocks'
-    parameters, caches and dropout keys. Returns the last stream and the caches stacked."""
+    parameters, caches and dropout keys; norm(x, gain), act(x): model.py's rms_norm and gelu.
+    Returns the last stream and the caches stacked."""
     states, xs_TD, caches = [x_TD], (x_TD,), []
     for i, connect in enumerate(connections):
         x_TD, layer_cache = layer(xs_TD, jax.tree.map(lambda a: a[i], inputs))
         states.append(x_TD)
         caches.append(layer_cache)
-        xs_TD = connect(states)
+        xs_TD = connect(states, norm, act)
     return xs_TD[0], jax.tree.map(lambda *c: jnp.stack(c), *caches)

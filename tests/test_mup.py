@@ -408,9 +408,7 @@ def test_bad_evidence_arguments_are_one_line_errors_before_any_training(tmp_path
         mup.main(["evidence", f"--out={tmp_path}", *args])  # a later --out wins
 
 
-SWEEPS = """import dataclasses, json, sys, jax
-jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
-import configs
+SWEEPS = """import dataclasses, json, sys, jax, configs
 from tools import sweeps
 cfg = dataclasses.replace(configs.load("shakespeare_char_cpu"), d_model=32, n_head=1, kernels=False)
 print(json.dumps([sweeps.coord_check(cfg, 1, 1), sweeps.train_runs(cfg, [1e-3, 2e-3], 1, 2)[1].tolist()]))
@@ -422,7 +420,7 @@ def test_sweeps_run_on_one_device_of_several(shakespeare):
     """With two devices in the process both measurements run (coord's ordered callback is refused by JAX on a
     mesh of two) and give the same numbers, bit for bit, as with one: the same one-device program."""
     results = []
-    for n, done in zip((1, 2), run_each([["-c", SWEEPS, "1"], ["-c", SWEEPS, "2"]])):
+    for n, done in zip((1, 2), run_each([["-c", SWEEPS]] * 2, devices=[1, 2])):
         assert done.returncode == 0 and f"devices: {n}" in done.stdout, done.stderr[-2000:]
         results.append(done.stdout.splitlines()[0])
     assert results[0] == results[1]

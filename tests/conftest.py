@@ -1,6 +1,7 @@
 """Shared test setup: the repo on sys.path, tiny configs, and the shakespeare_char data."""
 import concurrent.futures
 import dataclasses
+import fcntl
 import os
 import shutil
 import subprocess
@@ -66,18 +67,37 @@ def tiny(**overrides) -> configs.Config:
     return dataclasses.replace(configs.Config(), **{**base, **overrides})
 
 
-@pytest.fixture(scope="session")
-def shakespeare() -> Path:
-    """data/shakespeare_char prepared (from ../shared's copy of the text when the repo has none)."""
+def prepare_shakespeare(download: bool = True) -> Path:
+    """data/shakespeare_char prepared (from ../shared's copy of the text when the repo has none;
+    downloaded only when `download`). Under a file lock: with pytest -n one worker prepares while
+    the others wait, and none reads a half-written file."""
     import data
 
     out = ROOT / "data" / "shakespeare_char"
-    if not (out / "input.txt").exists() and (SHARED / "data/tinyshakespeare/input.txt").exists():
-        out.mkdir(parents=True, exist_ok=True)
-        shutil.copy(SHARED / "data/tinyshakespeare/input.txt", out / "input.txt")
-    if not (out / "meta.json").exists():
-        data.prepare_shakespeare_char(out)
+    text = SHARED / "data/tinyshakespeare/input.txt"
+    if not download and not (out / "input.txt").exists() and not text.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".shakespeare_char.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "input.txt").exists() and text.exists():
+            shutil.copy(text, out / "input.txt")
+        if not (out / "meta.json").exists():
+            data.prepare_shakespeare_char(out)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shakespeare_when_at_hand():
+    """Prepared before any test when its text is here, so no test depends on which test (or,
+    with pytest -n, which worker) ran first."""
+    prepare_shakespeare(download=False)
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    """data/shakespeare_char prepared, downloaded when its text is nowhere here."""
+    return prepare_shakespeare()
 
 
 def run(args: list[str], env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

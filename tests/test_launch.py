@@ -2,6 +2,9 @@
 import dataclasses
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,13 +115,14 @@ MODULES = [
 
 @pytest.mark.parametrize("text,message", MODULES)
 def test_a_broken_config_module_is_one_line(shakespeare, tmp_path, text, message):
-    name = f"broken_{MODULES.index((text, message))}"
-    module = ROOT / "configs" / f"{name}.py"
-    module.write_text(text)
-    try:
-        r = run(["launch.py", f"--config={name}", f"--rundir={tmp_path / 'run'}"])
-    finally:
-        module.unlink()
+    """Run in a copy of the repo: a broken module in the repo's own configs/ would be read by the
+    tests that list every config while it is there (pytest -n runs them at the same time)."""
+    name, repo = f"broken_{MODULES.index((text, message))}", tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", "data", "runs", "docs", "__pycache__"))
+    (repo / "data").symlink_to(ROOT / "data")
+    (repo / "configs" / f"{name}.py").write_text(text)
+    r = subprocess.run([sys.executable, "launch.py", f"--config={name}", f"--rundir={tmp_path / 'run'}"],
+                       cwd=repo, capture_output=True, text=True, timeout=600)
     expected = f"error: configs/{name}.py: {message.format(name=name)}"
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [expected], r.stderr
     assert not (tmp_path / "run").exists()

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 43's measurements on a GPU machine, in one go (GPU time is scarce: run this, not pieces).
 #   bash bench_gpu.sh [OUT] [PART ...]   # OUT default runs/bench_gpu-TIMESTAMP; PARTs of
-#                                        # mfu time fast trace check multi more (default all but
-#                                        # "more"), run in that order: the headline figures first
+#                                        # mfu time fast trace check multi more optim (default
+#                                        # all but "more" and "optim"), in that order: headline first
 # The whole call keeps within BUDGET seconds (default 510, so that a 9-minute device call brings
 # back every line it measured): each measurement gets the time left (at most 300 s), and one that
 # would start with under 20 s left is written as skipped instead.
@@ -130,5 +130,12 @@ if part more; then
     --config.kernels=false
   bench --config=openwebtext_xl --steps=1
   bench "${TT[@]}" --config.max_steps=3000
+fi
+# 8. Issue 44's comparison at a GPU size, in its own call (bash bench_gpu.sh OUT optim): AdamW,
+#    Lion and Muon on shakespeare_char (nanoGPT's 10.7M model), each at its best LR of an 8-LR
+#    sweep, 3 seeds, 500 steps; OUT/optimizers_gpu/README.md, for docs/optimizers.md.
+if part optim; then
+  timeout -k 10 $((BUDGET - SECONDS)) python -m tools.optimizer_sweep --config=shakespeare_char \
+    --steps=500 --out="$OUT/optimizers_gpu" >> "$OUT/stderr.log" 2>&1
 fi
 echo "done in ${SECONDS} s: $OUT/bench.jsonl" >&2

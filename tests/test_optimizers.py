@@ -277,3 +277,28 @@ def test_the_optimizer_comparison_claims_only_what_its_numbers_allow():
     assert "- lion: not distinguishable from AdamW at 30 steps" in text and "grid's edge" in text
     assert "Target train loss: 2.400" in text
     assert sweep.steps_to([[3, 2.5, 2.1], [3, 2.8, 2.4], [2.6, 2.6, 2.6]], 2.4) == [30, 30, None]
+
+
+@pytest.mark.parametrize("name", ["shakespeare_char_cpu", "shakespeare_char"])
+def test_the_comparison_trains_each_optimizer_without_the_others_fields(name):
+    """tools/optimizer_sweep's config per optimizer: every config passes Config.check (the
+    shipped configs tune Adam's betas: shakespeare_char's beta2 0.99 once stopped its Lion sweep),
+    the fields of the optimizers not in use are at Config()'s defaults, the rest is the config's;
+    on shakespeare_char_cpu, Lion's is the config of docs/optimizers_cpu's run (beta1 0.9)."""
+    import configs
+    from tools.optimizer_sweep import OPTIMIZERS, with_optimizer
+
+    cfg, default = configs.load(name), Config()
+    unused = {"adamw": {"lion_beta1", "lion_beta2", "muon_momentum", "muon_ns_steps", "muon_rms"},
+              "lion": {"beta1", "beta2", "adam_eps", "muon_momentum", "muon_ns_steps", "muon_rms"},
+              "muon": {"lion_beta1", "lion_beta2"}}
+    for opt in OPTIMIZERS:
+        got = with_optimizer(cfg, opt)
+        got.check(got.mesh_replica)
+        for field in dataclasses.fields(Config):
+            want = (opt if field.name == "optimizer" else getattr(default, field.name)
+                    if field.name in unused[opt] else getattr(cfg, field.name))
+            assert getattr(got, field.name) == want, (opt, field.name)
+    if name == "shakespeare_char_cpu":
+        assert with_optimizer(cfg, "lion") == configs.apply_overrides(
+            cfg, ["--config.optimizer=lion", "--config.beta1=0.9"])

@@ -25,14 +25,21 @@ from run import rundir
 from run.errors import RunError, UsageError
 from tools import plots, sweeps
 
-# optimizer: (its overrides, the LR grid as multiples of the config's LR). Lion's sign update is
-# larger than Adam's per coordinate: its best LR lies 3-10x lower (Chen et al. 2023, Sec. 5), so
-# its grid sits 8x lower. shakespeare_char_cpu's beta1 0.8 is Adam's; Lion keeps its own betas.
-OPTIMIZERS = {"adamw": ([], [2.0**k for k in range(-4, 4)]),
-              "lion": (["--config.optimizer=lion", "--config.beta1=0.9"],
-                       [2.0**k for k in range(-7, 1)]),
-              "muon": (["--config.optimizer=muon"], [2.0**k for k in range(-4, 4)])}
+# optimizer: its LR grid as multiples of the config's LR. Lion's sign update is larger than Adam's
+# per coordinate: its best LR lies 3-10x lower (Chen et al. 2023, Sec. 5), so its grid sits 8x lower.
+OPTIMIZERS = {"adamw": [2.0**k for k in range(-4, 4)], "lion": [2.0**k for k in range(-7, 1)],
+              "muon": [2.0**k for k in range(-4, 4)]}
 EVERY = 10  # steps per window of the train loss
+
+
+def with_optimizer(cfg: configs.Config, name: str) -> configs.Config:
+    """cfg trained by `name`, the other optimizers' fields (configs.ONLY_FOR) at their defaults:
+    a config's Adam betas (shakespeare_char_cpu's beta1 0.8, shakespeare_char's beta2 0.99) are
+    tuned for AdamW, and Config.check refuses them under Lion rather than leave them unused."""
+    default = configs.Config()
+    return dataclasses.replace(cfg, optimizer=name, **{
+        field: getattr(default, field) for field, (choice, users) in configs.ONLY_FOR.items()
+        if choice == "optimizer" and name not in users})
 
 
 def sweep(cfg: configs.Config, factors: list[float], seeds: int, steps: int) -> dict:
@@ -111,18 +118,18 @@ def main(argv: list[str] | None = None) -> None:
         if args.steps <= 0 or args.steps % EVERY or args.seeds < 1:
             raise UsageError(f"--steps={args.steps} must be a positive multiple of {EVERY} and "
                              f"--seeds={args.seeds} at least 1")
-        cfgs = {n: dataclasses.replace(configs.apply_overrides(
-            configs.load(args.config), overrides + OPTIMIZERS[n][0]), mesh_replica=1)
-            for n in names}  # all checked before any training
+        cfg = dataclasses.replace(configs.apply_overrides(configs.load(args.config), overrides),
+                                  mesh_replica=1)
+        cfgs = {n: with_optimizer(cfg, n) for n in names}  # all checked before any training
         for cfg in cfgs.values():
             cfg.check(1)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         state, start, results = rundir.git_state(), time.monotonic(), {}
         for n, cfg in cfgs.items():
-            print(f"{n}: {len(OPTIMIZERS[n][1])} LRs x {args.seeds} seeds, {args.steps} steps",
+            print(f"{n}: {len(OPTIMIZERS[n])} LRs x {args.seeds} seeds, {args.steps} steps",
                   flush=True)
-            results[n] = sweep(cfg, OPTIMIZERS[n][1], args.seeds, args.steps)
+            results[n] = sweep(cfg, OPTIMIZERS[n], args.seeds, args.steps)
         shown = ["--out=DIR" if a.startswith("--out") else a for a in argv or []]  # no paths
         command = " ".join(["python -m tools.optimizer_sweep", *shown])
         doc = {"commit": state["commit"], "dirty": state["dirty"],

@@ -100,10 +100,11 @@ def shakespeare() -> Path:
     return prepare_shakespeare()
 
 
-def run(args: list[str], env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """A Python subprocess in the repo root (fresh JAX, own device count)."""
+def run(args: list[str], env: dict | None = None, timeout: int = 600,
+        cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """A Python subprocess in the repo root, or cwd (fresh JAX, own device count)."""
     full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **(env or {})}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=full_env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
 
 

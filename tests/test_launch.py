@@ -3,8 +3,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -121,8 +119,7 @@ def test_a_broken_config_module_is_one_line(shakespeare, tmp_path, text, message
     shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", "data", "runs", "docs", "__pycache__"))
     (repo / "data").symlink_to(ROOT / "data")
     (repo / "configs" / f"{name}.py").write_text(text)
-    r = subprocess.run([sys.executable, "launch.py", f"--config={name}", f"--rundir={tmp_path / 'run'}"],
-                       cwd=repo, capture_output=True, text=True, timeout=600)
+    r = run(["launch.py", f"--config={name}", f"--rundir={tmp_path / 'run'}"], cwd=repo)
     expected = f"error: configs/{name}.py: {message.format(name=name)}"
     assert r.returncode != 0 and r.stderr.strip().splitlines() == [expected], r.stderr
     assert not (tmp_path / "run").exists()

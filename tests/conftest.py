@@ -100,10 +100,47 @@ def shakespeare() -> Path:
     return prepare_shakespeare()
 
 
+# JAX's persistent compilation cache, one per test session, for the subprocesses that run on one
+# device alone: the tiny models' steps then compile once per session, not once per launch (most
+# of a short launch's time on 2 cores). Never where a process has several devices or peers: an
+# 8-device step loaded from the cache (XLA:CPU, jax 0.10.2) ran its collectives in different
+# orders on different devices and hung (test_checkpoint's restore onto another mesh).
+COMPILE_CACHE: dict[str, str] = {}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compile_cache(tmp_path_factory):
+    COMPILE_CACHE.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp("jax_cache")),
+                         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                         JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+
+
+def one_device(args: list[str], env: dict) -> bool:
+    """Whether `python *args` runs JAX on one device in one process: a command of the repo's root
+    (launch.py and the others start jax.distributed only under --multihost) or -c's code that
+    neither sets a device count nor starts jax.distributed, and no simulated device count in
+    XLA_FLAGS. The probes in tests/ set their own device counts; -m's modules may do anything."""
+    if not args or "device_count" in env.get("XLA_FLAGS", "") or "--multihost" in args:
+        return False
+    if args[0] == "-c":
+        return "jax_num_cpu_devices" not in args[1] and "jax.distributed" not in args[1]
+    return args[0].endswith(".py") and "/" not in args[0]
+
+
+@pytest.fixture(scope="session")
+def env() -> dict:
+    """The environment of one-device subprocesses that a test starts itself (to signal them):
+    the repo on the path and the session's compilation cache."""
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **COMPILE_CACHE}
+
+
 def run(args: list[str], env: dict | None = None, timeout: int = 600,
         cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """A Python subprocess in the repo root, or cwd (fresh JAX, own device count)."""
+    """A Python subprocess in the repo root, or cwd (fresh JAX, own device count), with the
+    session's compilation cache where it runs on one device alone."""
     full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **(env or {})}
+    if one_device(args, full_env):
+        full_env = {**COMPILE_CACHE, **full_env}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
 

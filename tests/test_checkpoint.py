@@ -2,7 +2,6 @@
 import dataclasses
 import importlib.util
 import json
-import os
 import random
 import shutil
 import signal
@@ -28,16 +27,6 @@ from params import init_gpt
 TINY = [*TINY_RUN, "--config.eval_batches=2", "--config.log_interval=4",
         "--config.eval_interval=8", "--config.ckpt_interval=8"]
 STEPS = 16
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict:
-    """The subprocesses' environment, with JAX's persistent compilation cache shared between them:
-    the tiny model then compiles once, not in each process (seconds each on a busy CPU)."""
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def start(args: list[str], env: dict, prefix: tuple = ()) -> subprocess.Popen:

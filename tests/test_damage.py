@@ -19,12 +19,10 @@ from run.checkpoint import checkpoint_manager, resume, save_checkpoint
 from run.errors import UsageError
 from conftest import tiny
 from run.metrics import Logger
-import test_checkpoint
 from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, final_state,
                              launch_args, records, run, tiny_config)
 from run.written import damage, record
 
-env = test_checkpoint.env  # its fixture: the launches share one compilation cache
 
 
 @pytest.fixture(scope="module")

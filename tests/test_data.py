@@ -169,7 +169,7 @@ def test_the_command_line_reports_bad_input_in_one_line(tmp_path):
                         (["shakespeare_char", "--source=x.txt"], "shakespeare_char is the fixed tiny-shakespeare text")]:
         result = run(["data.py", *args], timeout=120)  # above the error, only datasets' progress bars
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
-        assert result.stderr.splitlines()[-1].startswith(f"error: ") and error in result.stderr.splitlines()[-1]
+        assert result.stderr.splitlines()[-1].startswith("error: ") and error in result.stderr.splitlines()[-1]
 
 
 def test_preparing_again_leaves_a_running_reader_the_old_tokens(tmp_path):

@@ -8,7 +8,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from run import metrics
 import model as M
 import params
 from conftest import tiny

@@ -4,7 +4,6 @@ options that do not apply, and Muon under FSDP."""
 import dataclasses
 import json
 import math
-import os
 
 import equinox as eqx
 import jax
@@ -184,15 +183,6 @@ def test_an_option_of_another_optimizer_or_schedule_is_refused_in_one_line():
         with pytest.raises(UsageError) as e:
             tiny(**overrides).check(1)
         assert str(e.value).startswith(message)
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory) -> dict:
-    """As test_checkpoint's: one compilation cache shared by the launches."""
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-            "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 WSD = ["--config.schedule=wsd", "--config.min_lr=2e-4"]

@@ -9,13 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from run import metrics
 import model as M
 from layers.positions import alibi_bias
 from inference import decode
 import params
 from conftest import ROOT, TINY_RUN, run, run_each, tiny
-from test_checkpoint import env, final_state, launch_args, records, tiny_config  # noqa: F401
+from test_checkpoint import final_state, launch_args, records, tiny_config
 from test_model import numpy_forward, random_gpt
 
 VARIANTS = {
@@ -146,7 +145,7 @@ def test_variants_on_4_fsdp_devices_equal_one_device(fsdp_runs):
                                        err_msg=f"{variants}: {name}")
 
 
-def test_a_variant_run_resumes_exactly(shakespeare, tmp_path, env):  # noqa: F811
+def test_a_variant_run_resumes_exactly(shakespeare, tmp_path, env):
     """Every variant at once: 8 steps straight, and 4 then a resume to 8: the same metrics and
     bitwise the same final parameters and optimizer state."""
     variants = ["--config.attention=sharedkv", "--config.position=alibi",

@@ -106,6 +106,7 @@ def shakespeare() -> Path:
 # 8-device step loaded from the cache (XLA:CPU, jax 0.10.2) ran its collectives in different
 # orders on different devices and hung (test_checkpoint's restore onto another mesh).
 COMPILE_CACHE: dict[str, str] = {}
+PYTHONPATH = {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}  # the repo's modules, tests' probes
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -131,14 +132,14 @@ def one_device(args: list[str], env: dict) -> bool:
 def env() -> dict:
     """The environment of one-device subprocesses that a test starts itself (to signal them):
     the repo on the path and the session's compilation cache."""
-    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **COMPILE_CACHE}
+    return {**os.environ, **PYTHONPATH, **COMPILE_CACHE}
 
 
 def run(args: list[str], env: dict | None = None, timeout: int = 600,
         cwd: Path = ROOT) -> subprocess.CompletedProcess:
     """A Python subprocess in the repo root, or cwd (fresh JAX, own device count), with the
     session's compilation cache where it runs on one device alone."""
-    full_env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}", **(env or {})}
+    full_env = {**os.environ, **PYTHONPATH, **(env or {})}
     if one_device(args, full_env):
         full_env = {**COMPILE_CACHE, **full_env}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,

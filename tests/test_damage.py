@@ -24,7 +24,6 @@ from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, fina
 from run.written import damage, record
 
 
-
 @pytest.fixture(scope="module")
 def straight(shakespeare, tmp_path_factory, env):
     """STEPS steps without interruption, checkpoints at STEPS/2 and STEPS: (its run directory, to

@@ -17,6 +17,7 @@ import errno
 import logging
 import shutil
 import sys
+import warnings
 
 import equinox as eqx
 import jax
@@ -361,6 +362,9 @@ def quiet_failed_saves() -> None:
     loop closed; --debug shows them."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # a write orbax had made but not started when the save failed, collected at the interpreter's
+    # exit: its warning would follow, and hide, the one-line error
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
     default = sys.unraisablehook
 
     def hook(u):

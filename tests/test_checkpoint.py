@@ -471,6 +471,23 @@ def test_full_disk_at_a_save_is_one_line(shakespeare, tmp_path, env):
     assert "File too large" in r.stderr and committed_steps(rundir) == []
 
 
+def test_a_write_left_unstarted_at_exit_does_not_follow_the_error(env):
+    """What made the test above fail once in CI: a write coroutine orbax had made but not started
+    when the save failed is collected at the interpreter's exit, and its RuntimeWarning ('coroutine
+    ... was never awaited') printed after the error line. Made here on purpose (a coroutine made
+    and dropped at exit), first without the quieting as the control."""
+    code = ("import atexit, sys\n"
+            "from run import checkpoint\n"
+            "if sys.argv[1] == 'quiet': checkpoint.quiet_failed_saves()\n"
+            "async def write_fragment(): pass\n"
+            "atexit.register(lambda: [write_fragment()])\n"
+            "sys.exit('error: saving a checkpoint failed')\n")
+    loud = run(["-c", code, "loud"], env)
+    assert "was never awaited" in loud.stderr and not loud.stderr.rstrip().endswith("failed")
+    quiet = run(["-c", code, "quiet"], env)
+    assert quiet.stderr.strip().splitlines() == ["error: saving a checkpoint failed"], quiet.stderr
+
+
 @pytest.mark.skipif(importlib.util.find_spec("gcsfs") is not None, reason="gcsfs is installed")
 def test_gs_run_directory_without_gcsfs_is_one_line(shakespeare, env):
     r = run(["launch.py", *TINY, "--rundir=gs://no-such-bucket/run"], env)

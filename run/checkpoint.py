@@ -358,12 +358,11 @@ def one_line(what: str):
 def quiet_failed_saves() -> None:
     """train.py reports a failed checkpoint save (a full disk) or read in one line. Orbax would
     also log it as several tracebacks, asyncio one more for each of its concurrent write tasks
-    that failed alike, and each tensorstore write still in flight one when it finds orbax's event
-    loop closed; --debug shows them."""
+    that failed alike, each tensorstore write still in flight one when it finds orbax's event
+    loop closed, and a write made but never started a RuntimeWarning at the interpreter's exit,
+    after (so hiding) the one-line error; --debug shows them."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    # a write orbax had made but not started when the save failed, collected at the interpreter's
-    # exit: its warning would follow, and hide, the one-line error
     warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
     default = sys.unraisablehook
 

@@ -42,6 +42,21 @@ measure() {  # CMD...: one JSON line, or a line saying which command failed or w
 
 bench() { measure python bench.py "$@"; }
 
+rows() {  # N ARGS...: bench.py ARGS with the Pallas QK-norm + RoPE kernel's blocks of N tokens
+  measure python - "$@" <<'PY'
+import contextlib, io, json, sys
+
+import bench
+from kernels import pallas_qk_norm_rope
+
+rows, sys.argv = int(sys.argv[1]), ["bench.py", *sys.argv[2:]]
+pallas_qk_norm_rope.ROWS = rows  # checked against model.py at startup, as the default is
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    bench.main()
+print(json.dumps({**json.loads(out.getvalue()), "qk_norm_rope_rows": rows}))
+PY
+}
+
 without() {  # NAME ARGS...: bench.py ARGS with the fast path of model.NAME set aside
   measure python - "$@" <<'PY'
 import contextlib, io, json, sys
@@ -82,6 +97,11 @@ print(*sorted({p.name for p in f.FAST_PATHS}))" 2>> "$OUT/stderr.log"); do
   done
   bench "${FAST[@]}" --config.kernels=false
   bench "${FAST[@]}" --config.optimizer=muon  # Muon's cost over the AdamW line above (issue 44)
+  # the Pallas kernel's larger blocks (the default: 64 tokens of one head), and XLA's cuBLASLt
+  # epilogue fusion: kept only where faster than the first line of this part
+  rows 128 "${FAST[@]}"
+  rows 256 "${FAST[@]}"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_cublaslt=true" bench "${FAST[@]}"
 fi
 
 # 4. One profile of the 124M step (bench.py --trace: the costliest ops on stderr, the trace in

@@ -9,8 +9,8 @@ the preset's scales (more heads, the head dim stays) or depths n_layer x its sca
 runs --seeds seeds, each its own initial model and its own batch order. Coordinate checks (as
 microsoft/mup's): mean |x_t| and mean |x_t - x_0| of each activation model.tap names, over a few
 steps on one batch at COORD_LR x the config's LR, from a nonzero readout (flat in width under muP,
-in depth under CompleteP). LR sweeps: the validation loss per LR and seed (the best LR stays put
-under muP, moves under SP and without the depth rules). Curves: the train loss at the base LR.
+in depth under CompleteP). LR sweeps: the validation loss per LR and seed (muP's best LR should
+stay put, SP's move; README.md says what the seeds resolve). Curves: the train loss at the base LR.
 DIR/evidence.json holds the git commit (and whether the tree was dirty), the rules' fingerprint
 (rules()), each part's settings (its full resolved config too) and results, written after each
 size: the same command resumes; an --out of other settings is refused. README.md and the figures
@@ -65,7 +65,7 @@ class Preset:
     lrs_per_program: int = 8
 
 
-# cpu: the whole fits a 2-core CPU in about an hour with 3 seeds (docs/mup.md), so LR sweeps over
+# cpu: the whole takes a 2-core CPU about three hours with 3 seeds (docs/mup.md), so LR sweeps over
 # width stop at 2x, curves at 4x. gpu: widths 64 -> 2048 and depths 2 -> 64 around a base of width
 # 256, 4 layers, 128 steps x 32 x 256 tokens (1M tokens a run), in bfloat16; 2 LRs x 3 seeds per
 # program keep width 2048's parameters, Adam's moments and activations within an H100.

@@ -2,10 +2,11 @@
 with its base at this shape, so its LR carries to other widths and depths (`python mup.py evidence
 --out=docs/mup` measures it). Heads are 32 wide, so attn_tau = sqrt(32) makes muP's
 tau / head_dim SP's 1 / sqrt(head_dim). The 4 layers are unrolled in one scan iteration: at these
-sizes XLA:CPU runs the step faster so, and compiles as fast (BENCHMARKS.md).
+sizes XLA:CPU runs the step faster so (BENCHMARKS.md).
 Schedule and optimizer: the fewest steps that end at val <= 1.70 over seeds 0-2 (BENCHMARKS.md):
-alpha_out 2 (logits x2; 0.5 did worse), beta1 0.8 and beta2 0.95 each helped a little at 1000
-steps. One evaluation at the end (and the one at step 0): each takes a second of the quickstart.
+alpha_out 2 (logits x2; 0.5 did worse); beta1 0.8 and beta2 0.95 were picked on one seed, where
+their gains were within the spread between seeds (kept, not proved). One evaluation at the end
+(and the one at step 0): each adds to the quickstart's wall time.
 One JAX device by default; the README's quickstart splits a 2-core CPU into two that train
 data-parallel (JAX_NUM_CPU_DEVICES=2, --config.mesh_replica=2): XLA:CPU runs one op at a time
 per device, and this model's ops are too small to use both cores from one."""

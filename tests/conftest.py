@@ -19,7 +19,7 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
 import configs  # noqa: E402
 
 # The quick tier (python -m pytest -m quick tests): what a researcher runs after an edit of
-# model.py, before a long run, in about 90 s on 2 cores: the model against its numpy reference,
+# model.py, before a long run, in a minute or two (BENCHMARKS.md): the model against its numpy reference,
 # causality, KV-cache decoding against the full forward, the loss and accumulation written out, a
 # train step on 1 and 2 devices, export's self-check, the house's rules. "file::test" (all its
 # parameters) or "file::test[param]"; the whole suite stays the CI command.

@@ -588,3 +588,10 @@ def test_a_checkpoint_saved_before_checksums_restores_with_a_note(tmp_path, caps
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert "has no checksums (saved by an older mugpt)" in capsys.readouterr().err
     assert restore_model(mngr, init_gpt(cfg, jax.random.key(2)), step=1) is not None
+
+
+def test_the_docs_name_every_field_a_resume_may_change():
+    """docs/checkpoints.md lists configs.RESUMABLE field by field: a field made resumable is said
+    there too (the list fell behind once: eval_tasks, wandb_project and WSD's decay were missing)."""
+    text = (ROOT / "docs/checkpoints.md").read_text()
+    assert not [f for f in configs.RESUMABLE if f"`{f}`" not in text]

@@ -91,6 +91,6 @@ def check_fsdp(out: dict) -> None:
 
 def test_the_train_step_communicates_as_fsdp(compiled):
     """Without model.batch_split on the embedding's output, XLA's partitioner carried the table's
-    D split into the activations: (B, T, F) all-reduces in every layer, 31 MB of collectives a step
-    against 0.46 MB of parameters (67x)."""
+    D split into the activations: (B, T, F) all-reduces in every layer, many times the parameters'
+    bytes of collectives a step (BENCHMARKS.md)."""
     check_fsdp(compiled)

@@ -9,7 +9,8 @@ config's schedule compressed to --steps). Its best LR is the grid point of the l
 validation loss over seeds. At that LR: the validation loss (mean ± sd), its difference from
 AdamW's with the 95% interval (Welch's t; a difference is claimed only when the interval excludes
 0), and the steps each seed's train loss (averaged over windows of 10 steps) takes to reach the
-target, the highest of the optimizers' final mean train losses (so that every one reaches it).
+target, the highest of the optimizers' final mean train losses (each optimizer reaches it on
+average; a seed that does not is counted as never).
 OUT/optimizers.json holds every number, the settings, the commit and whether the tree was dirty;
 OUT/README.md is made from it."""
 import argparse

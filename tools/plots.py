@@ -225,9 +225,9 @@ def drift_claim(title: str, axis: str, sizes: list[int], stats: dict, seeds: int
                 "no interval, so no claim that the optimum stays or moves.")
     said = f"drift {d:+.2f} ± {h:.2f} grid steps (95% interval)"
     if abs(d) + h < 1:
-        return f"- {title}: the optimum moves by less than one grid step {span}: {said}."
+        return f"- {title}: the optimum stays (moves by less than one grid step) {span}: {said}."
     if abs(d) - h >= 1:
-        return f"- {title}: the optimum moves by one grid step or more {span}: {said}."
+        return f"- {title}: the optimum moves (by one grid step or more) {span}: {said}."
     if abs(d) - h > 0:
         return (f"- {title}: the optimum moves {span} ({said}: the interval excludes 0), "
                 "by less than one grid step or more: not resolved.")
@@ -249,6 +249,32 @@ def sp_against_mup(doc: dict, st: dict) -> list[str]:
     lines = []
     for part, name, what in CONTROLS:
         lines += against_mup(doc, st, part, name, what)
+    return lines
+
+
+def depth_rules_against_off(doc: dict) -> list[str]:
+    """Per depth, the best loss with CompleteP's depth rules minus the best loss without them, and
+    where either is lower beyond the 95% interval: the rules may cost loss at some depths."""
+    on, off = sweep_stats(doc, "lr_depth"), sweep_stats(doc, "lr_depth_nodepth")
+    depths = sorted(set(on) & set(off))
+    if len(depths) < 2:
+        return []
+    lines = ["### The depth rules against none over depth", "",
+             "Best loss over the grid, muP + CompleteP minus muP with the depth rules off (a "
+             "difference counts only when its 95% interval excludes 0; at the base depth the two "
+             "are the same runs):", ""]
+    lower = {"the rules": [], "no rules": []}
+    for n in depths:
+        d, h = difference(off[n]["loss"], on[n]["loss"])
+        lines.append(f"- depth {n}: with the rules {cell(*mean_sd(on[n]['loss']), 3)}, without "
+                     f"{cell(*mean_sd(off[n]['loss']), 3)}, difference {cell(d, h, 3)}")
+        if abs(d) > h:  # False for nan: one seed
+            lower["the rules" if d < 0 else "no rules"].append(str(n))
+    if all(np.isnan(difference(off[n]["loss"], on[n]["loss"])[1]) for n in depths):
+        lines += ["", "One seed per LR; no spread: no claim either way.", ""]
+    else:
+        said = "; ".join(f"{who} at depth {', '.join(at)}" for who, at in lower.items() if at)
+        lines += ["", f"Lower beyond the 95% interval: {said or 'neither, at any depth'}.", ""]
     return lines
 
 
@@ -282,8 +308,9 @@ def against_mup(doc: dict, st: dict, part: str, name: str, what: str) -> list[st
     if len(set(lower)) > 1:
         at = lambda who: ", ".join(str(w) for w, x in zip(widths, lower) if x == who) or "none"
         equal = f"; equal at {at('neither')}" if "neither" in lower else ""
+        beyond = ", ".join(f"{w} ({x})" for w, x, r in zip(widths, lower, resolved) if r) or "none"
         lines.append(f"The lower mean loss: {name} at widths {at(name)}; muP at {at('muP')}"
-                     f"{equal}.")
+                     f"{equal}; beyond the 95% interval at: {beyond}.")
     base, top = st["lr_width"]["config"]["d_model"], widths[-1]
     lrs = st["lr_width"]["lrs"]
     if base in widths and top != base:
@@ -391,7 +418,7 @@ def readme(doc: dict) -> str:
                 lines.append(drift_claim(TITLES[st[p]["model"]], axis, sizes, stats[p],
                                          st[p]["seeds"], len(lrs)))
         lines.append("")
-    lines += sp_against_mup(doc, st)
+    lines += sp_against_mup(doc, st) + depth_rules_against_off(doc)
     every, rows = wider_is_better(doc)
     if rows:
         widths = tables(doc, "curves")[1]

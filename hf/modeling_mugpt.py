@@ -152,7 +152,8 @@ class Connections(nn.Module):
         h = F.gelu(self.w1(rms_norm(states[-1])), approximate="tanh")
         # layers.mudd's: b and the one-hot added in float32, then back to the streams' dtype
         a_BTCJ = self.w2(h).view(B, T, self.C, self.J).float() + self.b.float()
-        a_BTCJ = (a_BTCJ + F.one_hot(torch.tensor(self.J - 1), self.J)).to(h.dtype)
+        one_hot = F.one_hot(torch.tensor(self.J - 1, device=a_BTCJ.device), self.J)
+        a_BTCJ = (a_BTCJ + one_hot).to(h.dtype)
         return [sum(a_BTCJ[..., c, j, None] * x for j, x in enumerate(states))
                 for c in range(self.C)]
 

@@ -183,6 +183,13 @@ def test_variant_pytorch_logits_equal_jax_logits(name, tmp_path):
           f"(logits up to {np.abs(want_TV).max():.3g})")
     assert diff <= 1e-4
     assert np.abs(want_TV).max() > 0.1
+    # on another device (a GPU's user calls .to("cuda")): every tensor the forward makes must be
+    # made there; torch's meta device refuses a CPU tensor mixed in as a GPU would, with no GPU
+    hf.to("meta")
+    with torch.no_grad():
+        out = hf(torch.tensor([ids[:5]], device="meta"), use_cache=True)
+        step = hf(torch.tensor([ids[5:6]], device="meta"), past_key_values=out.past_key_values)
+    assert step.logits.shape == (1, 1, hf.config.vocab_size) and step.logits.device.type == "meta"
 
 
 @pytest.mark.parametrize("name", ["all", "mudd_sharedkv", "gqa"])

@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch_size", type=int, default=32,
                     help="sequences per jitted batch (rounded up to a multiple of the devices)")
     args = ap.parse_args(argv)
+    for name in ("limit", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            sys.exit(f"error: --{name}={getattr(args, name)}: pass a number of 1 or more")
     from etils import epath
 
     from run import reading

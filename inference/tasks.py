@@ -91,14 +91,15 @@ def task_problem(ex) -> str | None:
     if not isinstance(ex, dict):
         return "not a JSON object"
     if "text" in ex:
-        if not isinstance(ex["text"], str) or len(ex["text"].split()) < 2:
-            return "text must be a string of two words or more (the last is scored)"
+        if not isinstance(ex["text"], str) or " " not in ex["text"].strip(" "):
+            return ("text must be a string of two words or more, split by a space (the last is "
+                    "scored)")
         return None
     if not {"context", "choices", "label"} <= set(ex):
         return "needs context, choices and label (multiple choice) or text (last word)"
     choices, label = ex["choices"], ex["label"]
-    if not isinstance(ex["context"], str):
-        return "context must be a string"
+    if not isinstance(ex["context"], str) or not ex["context"].strip():
+        return "context must be a string that is not empty (each choice is scored after it)"
     if not isinstance(choices, list) or len(choices) < 2 or \
             not all(isinstance(c, str) and c for c in choices):
         return "choices must be a list of two or more non-empty strings"
@@ -129,6 +130,9 @@ def tokenize(pairs, encode, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole, n_context = encode(context + continuation), len(encode(context))
         n_cont = len(whole) - n_context
+        if not n_context:  # no token before the continuation's first: nothing would score it
+            raise UsageError(f"the context before {continuation!r} is empty: a continuation is "
+                             "scored after a context of one token or more")
         if not 0 < n_cont <= T:
             raise UsageError(f"{continuation!r} is {n_cont} tokens: a continuation must be 1 to "
                              f"block_size={T} tokens")

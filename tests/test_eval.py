@@ -140,6 +140,9 @@ def test_bad_task_is_one_line(exported, tmp_path):
                       (tmp_path / "none.jsonl", "neither a file nor one of hellaswag")):
         r = run(["eval.py", f"--rundir={rundir}", f"--tasks={task}"])
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    for flag in ("--batch_size=0", "--limit=0"):  # a division by zero; no metrics at all
+        r = run(["eval.py", f"--rundir={rundir}", f"--tasks={bad}", flag])
+        assert r.returncode == 1 and r.stderr.strip() == f"error: {flag}: pass a number of 1 or more"
 
 
 def test_tasks_in_the_loop_log_eval_py_numbers_to_tensorboard(exported):

@@ -29,6 +29,9 @@ MALFORMED = [
     (lines({**CHOICE, "label": True}), "line 1, example 1: label must be an integer from 0 to"),
     (lines({**CHOICE, "context": 5}), "line 1, example 1: context must be a string"),
     (lines({"context": "a", "label": 0}), "line 1, example 1: needs context, choices and label"),
+    (lines({**CHOICE, "context": ""}), "line 1, example 1: context must be a string that is not empty"),
+    (lines({**CHOICE, "context": " "}), "line 1, example 1: context must be a string that is not empty"),
+    (lines({"text": "First\tCitizen"}), "line 1, example 1: text must be a string of two words or more, split by a space"),
     (lines(WORD, {"text": "word"}), "line 2, example 2: text must be a string of two"),
     (lines({"text": ""}), "line 1, example 1: text must be a string of two"),
     (lines({"text": ["a", "b"]}), "line 1, example 1: text must be a string of two"),
@@ -56,3 +59,14 @@ def test_well_formed_task_files_load_as_written(tmp_path):
         path.write_bytes(lines(records[0]) + b"\n" + lines(*records[1:]))
         assert load_task(str(path)) == records
         assert load_task(str(path), limit=1) == records[:1]
+
+
+def test_an_empty_context_is_refused_not_scored_as_nothing():
+    """A continuation with no token before it (an empty context from a Hub task) has no logit to
+    score its first token: one line, where every choice would otherwise score 0."""
+    from inference.tasks import tokenize
+    encode = lambda s: [ord(c) for c in s]  # noqa: E731
+    x, y, m = tokenize([("ab", " c")], encode, 8)
+    assert m.sum() == 2 and list(y[0][m[0] == 1]) == encode(" c")  # the continuation's tokens
+    with pytest.raises(UsageError, match="the context before 'First' is empty"):
+        tokenize([("", "First")], encode, 8)

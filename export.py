@@ -139,17 +139,29 @@ def hf_tokenizer(meta: dict):
                                    pad_token=eos, split_special_tokens=True)
 
 
-def check_out(out: Path, force: bool) -> None:
+def check_out(out: Path, force: bool, rundir: epath.Path | None = None) -> None:
+    """Before the checkpoint is read: an --out that can be written and replaced, never the run."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out={out} is a file: export writes a folder, name another --out")
+    if rundir is not None and "://" not in str(rundir):  # --force replaces out whole
+        run, whole = Path(str(rundir)).resolve(), out.resolve()
+        if whole == run or whole in run.parents:
+            raise UsageError(f"--out={out} holds the run directory {rundir}: replacing it would "
+                             "delete the run; name a folder outside it")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UsageError(f"--out={out} exists and is not empty: pass --force to replace it")
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out={out}: {parent} is not a folder this user can write in; name "
+                         "another --out")
 
 
 def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool = False,
            dtype: str = "float32") -> int:
     """Write the HF directory; returns the checkpoint's step. Bad input: UsageError."""
-    check_out(out, force)
+    check_out(out, force, rundir)
     cfg = reading.read_config(rundir)
     check_exportable(cfg)
     meta = reading.read_dataset_record(rundir, cfg)
@@ -224,8 +236,8 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
     tmp, old = (out.parent / f".{out.name}.{what}-{os.getpid()}" for what in ("export", "old"))
     for stale in (tmp, old):  # a killed export's, of the same process id
         shutil.rmtree(stale, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         tensors = {k: torch.tensor(v).to(getattr(torch, dtype)) for k, v in weights.items()}
         safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         MuGPTConfig(**config).save_pretrained(tmp)
@@ -239,6 +251,11 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
             shutil.rmtree(old)
         else:
             tmp.rename(out)
+    except OSError as e:  # a full disk, a folder made read-only meanwhile
+        if old.exists() and not out.exists():
+            old.rename(out)
+        kept = "the old export is as it was" if out.exists() else "nothing was written"
+        raise UsageError(f"writing {out} failed ({e.strerror or e}); {kept}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # an interrupted write's, if any
 

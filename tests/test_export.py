@@ -121,6 +121,15 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
     with pytest.raises(UsageError, match="does not support attention=mla: .* in .'mha', "):
         export.check_exportable(fork)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # --force would replace --out whole: never the run itself, or a folder holding it
+    run_files = sorted(p.name for p in rundir.iterdir())
+    for out in (rundir, rundir.parent):
+        with pytest.raises(UsageError, match="holds the run directory .*: replacing it would delete"):
+            export.export(epath.Path(rundir), out, force=True)
+    assert sorted(p.name for p in rundir.iterdir()) == run_files
+    (tmp_path / "f").write_text("")  # --out under a file: refused before the checkpoint is read
+    with pytest.raises(UsageError, match="f is not a folder this user can write in"):
+        export.export(epath.Path(rundir), tmp_path / "f" / "x")
 
 
 def test_gpt2_tokenizer_export_encodes_as_tiktoken(tmp_path):
@@ -306,7 +315,8 @@ def test_out_is_replaced_whole_and_never_half_written(runs, tmp_path, monkeypatc
         m.setattr(export.shutil, "copy", lambda *a: (_ for _ in ()).throw(OSError("killed")))
         for target, force in ((tmp_path / "new", False), (out, True)):
             before = names(target)
-            with pytest.raises(OSError, match="killed"):
+            kept = "the old export is as it was" if force else "nothing was written"
+            with pytest.raises(UsageError, match=f"writing .* failed \\(killed\\); {kept}"):
                 export.export(epath.Path(rundir), target, force=force)
             assert names(target) == before
     export.export(epath.Path(rundir), out, force=True)

@@ -123,7 +123,7 @@ def hf_tokenizer(meta: dict):
         return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=first, pad_token=first,
                                        split_special_tokens=True)
     if tok["kind"] == "hf":
-        core = Tokenizer.from_str(tok["json"])
+        core = tokenization.plain(Tokenizer.from_str(tok["json"]))  # as training encoded
         eos = core.id_to_token(tok["eos"])
         return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=eos,
                                        split_special_tokens=True)

@@ -158,6 +158,29 @@ def test_gpt2_tokenizer_export_encodes_as_tiktoken(tmp_path):
     assert export.hf_tokenizer({"tokenizer": record})(text)["input_ids"] == ordinary
 
 
+def test_a_tokenizer_that_adds_its_own_tokens_encodes_one_way_everywhere(tmp_path):
+    """A BERT-style tokenizer.json whose post-processor wraps a text in [CLS] ... [SEP]: data.py's
+    documents are the words' ids and its separator, sample.py/eval.py's and the export's the
+    words' ids alone (they disagreed three ways: [CLS] w [SEP] [SEP], w, [CLS] w [SEP])."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from text import tokenization
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                       special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert tok.encode("hello world").ids == [1, 3, 4, 2]  # what it adds by itself
+    record, _, for_documents = tokenization.for_documents(str(tmp_path / "tokenizer.json"))
+    assert for_documents("hello world") == [3, 4, 2]  # [SEP]: the end-of-text separator
+    assert tokenization.load(record)[0]("hello world") == [3, 4]
+    assert export.hf_tokenizer({"tokenizer": record})("hello world")["input_ids"] == [3, 4]
+    # a dataset prepared before: its record keeps the post-processor; read the same way
+    old = {**record, "json": tok.to_str()}
+    assert tokenization.load(old)[0]("hello world") == [3, 4]
+    assert export.hf_tokenizer({"tokenizer": old})("hello world")["input_ids"] == [3, 4]
+
+
 # one character per id: the variants' tests feed ids, the tokenizer only has to be writable
 CHARS = {"tokenizer": {"kind": "char", "chars": string.printable[:65]}, "vocab_size": 65}
 

@@ -6,7 +6,9 @@ in the record (a run directory's dataset.json then holds it, whatever happens to
 Text is text: a special token written in it ("<|endoftext|>" inside a document) is encoded as
 the ordinary characters it is made of, by every kind (tiktoken's encode_ordinary, tokenizers'
 encode_special_tokens) and by export.py's tokenizer (split_special_tokens). Only data.py puts an
-end-of-text id between documents, so a document cannot end another one by what it says."""
+end-of-text id between documents, so a document cannot end another one by what it says; a
+tokenizer's own additions around a text (a post-processor's [CLS] ... [SEP] or <s>) are dropped
+everywhere (plain), so that data.py, sample.py, eval.py and the export encode alike."""
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +29,12 @@ def encoding(name: str):
                          "cached files") from None
 
 
+def plain(tok):
+    """A `tokenizers` Tokenizer without its post-processor: the ids of the text alone."""
+    tok.post_processor = None
+    return tok
+
+
 def for_documents(name: str) -> tuple[dict, int, Callable[[str], list[int]]]:
     """data.py's tokenizer: its record, its vocabulary size, and a function from a document to
     its ids followed by the end-of-text id. name: gpt2, a tokenizer.json, or a Hub id."""
@@ -37,7 +45,8 @@ def for_documents(name: str) -> tuple[dict, int, Callable[[str], list[int]]]:
     from tokenizers import Tokenizer
 
     try:
-        tok = Tokenizer.from_file(name) if Path(name).is_file() else Tokenizer.from_pretrained(name)
+        tok = plain(Tokenizer.from_file(name) if Path(name).is_file()
+                    else Tokenizer.from_pretrained(name))
     except Exception as e:  # not a tokenizer.json, or no such Hub id, or offline
         raise UsageError(f"--tokenizer={name}: neither gpt2, a tokenizer.json nor a Hugging Face "
                          f"id that loads ({type(e).__name__}: {str(e)[:100]})") from None
@@ -71,9 +80,9 @@ def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
     if record["kind"] == "hf":
         from tokenizers import Tokenizer
 
-        tok = Tokenizer.from_str(record["json"])
+        tok = plain(Tokenizer.from_str(record["json"]))  # a record made before plain too
         tok.encode_special_tokens = True  # text is text (the docstring)
-        encode = lambda text: tok.encode(text, add_special_tokens=False).ids
+        encode = lambda text: tok.encode(text).ids
         return encode, lambda ids: tok.decode(list(ids), skip_special_tokens=False)
     enc = encoding(record["encoding"])
     return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))

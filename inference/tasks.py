@@ -15,6 +15,7 @@ batches of fixed shape, split over all devices (the batch axis), so one compilat
 """
 import json
 import math
+import re
 from pathlib import Path
 
 import equinox as eqx
@@ -26,11 +27,26 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import Config
 from run.errors import UsageError
 
-# name -> (HF dataset id, split, record -> our format); lm-eval's preprocessing, simplified
+
+
+def hellaswag_text(text: str) -> str:
+    """lm-evaluation-harness's HellaSwag cleaning: WikiHow's " [title]" marks become sentence
+    ends, its other [bracketed] artifacts go, double spaces become one."""
+    text = re.sub(r"\[.*?\]", "", text.strip().replace(" [title]", ". "))
+    return text.replace("  ", " ")
+
+
+def hellaswag_example(r: dict) -> dict:
+    """A Rowan/hellaswag record as lm-eval's hellaswag task scores it (so that its numbers can be
+    set beside published ones): the activity, then ctx_a and ctx_b capitalised."""
+    context = f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"
+    return {"context": hellaswag_text(context),
+            "choices": [" " + hellaswag_text(e) for e in r["endings"]], "label": int(r["label"])}
+
+
+# name -> (HF dataset id, split, record -> our format), as lm-eval's tasks of those names
 HF_TASKS = {
-    "hellaswag": ("Rowan/hellaswag", "validation", lambda r: {
-        "context": f"{r['activity_label']}: {r['ctx']}",
-        "choices": [" " + e for e in r["endings"]], "label": int(r["label"])}),
+    "hellaswag": ("Rowan/hellaswag", "validation", hellaswag_example),
     "lambada": ("EleutherAI/lambada_openai", "test", lambda r: {"text": r["text"]}),
 }
 

@@ -70,3 +70,24 @@ def test_an_empty_context_is_refused_not_scored_as_nothing():
     assert m.sum() == 2 and list(y[0][m[0] == 1]) == encode(" c")  # the continuation's tokens
     with pytest.raises(UsageError, match="the context before 'First' is empty"):
         tokenize([("", "First")], encode, 8)
+
+
+def test_hellaswag_is_read_as_lm_eval_reads_it():
+    """Records shaped as Rowan/hellaswag's (a WikiHow one with its [title] and [step] artifacts, an
+    ActivityNet one with a lower-case ctx_b) become lm-eval's query and choices, from lm-eval's own
+    hellaswag task: eval.py's numbers are then comparable with published ones."""
+    datasets = pytest.importorskip("datasets")
+    utils = pytest.importorskip("lm_eval.tasks.hellaswag.utils")
+    from inference.tasks import HF_TASKS
+    records = [
+        {"activity_label": "Home and Garden", "ctx_a": "[header] How to grow basil [title] Pick a pot.",
+         "ctx_b": "[step] fill it", "ctx": "", "label": "2",
+         "endings": ["with sand [substeps]  and water.", " with soil.", "[title] Water it.", "x"]},
+        {"activity_label": "Washing face", "ctx_a": "A man is at a sink.", "ctx_b": "he",
+         "ctx": "", "label": "0", "endings": ["washes his face.", "runs.", "sits.", "jumps  up."]},
+    ]
+    convert = HF_TASKS["hellaswag"][2]
+    for ours, theirs in zip(map(convert, records),
+                            utils.process_docs(datasets.Dataset.from_list(records))):
+        assert ours == {"context": theirs["query"], "choices": [" " + c for c in theirs["choices"]],
+                        "label": theirs["gold"]}

@@ -127,6 +127,10 @@ def time_to(cfg: Config, target: float, rundir: str | None) -> dict:
 
     import train
 
+    if rundir and Path(rundir).exists() and any(Path(rundir).iterdir()):
+        raise UsageError(f"--rundir={rundir} is not empty: --time-to times a run from step 0 in "
+                         "a new folder (a run there would be resumed, and its events read); "
+                         "name another --rundir")
     rundir = rundir or tempfile.mkdtemp(prefix="mugpt-time-to-")
     start = time.time()
     with contextlib.redirect_stdout(sys.stderr):  # the run's lines: stdout stays one JSON line

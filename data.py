@@ -36,21 +36,31 @@ def data_dir(cfg: Config) -> Path:
 
 
 def write_dataset(out: Path, splits: dict, vocab_size: int, tokenizer: dict) -> None:
-    """Write {split}.bin a chunk of ids at a time (openwebtext's 9B ids as int64 are 72 GB), then
-    meta.json: removed first and written last, so a write cut off halfway leaves no dataset."""
+    """Write {split}.bin a chunk of ids at a time (openwebtext's 9B ids as int64 are 72 GB), each
+    aside as {split}.bin.tmp; then meta.json removed, the bins renamed into place and meta.json
+    written last: a write cut off or refused halfway leaves the old dataset, or none."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)
     dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     meta = {"vocab_size": vocab_size, "dtype": dtype.name}
-    for split, chunks in splits.items():
-        meta[f"{split}_tokens"] = 0
-        # Written aside, then renamed: a reader's memmap keeps the old inode (not a SIGBUS).
-        with open(out / f"{split}.bin.tmp", "wb") as f:
-            for chunk in map(np.asarray, chunks):
-                assert chunk.size == 0 or 0 <= int(chunk.min()) <= int(chunk.max()) < vocab_size
-                chunk.astype(dtype).tofile(f)
-                meta[f"{split}_tokens"] += chunk.size
-        os.replace(f.name, out / f"{split}.bin")
+    try:
+        for split, chunks in splits.items():
+            meta[f"{split}_tokens"] = 0
+            # renamed into place below: a reader's memmap keeps the old inode (not a SIGBUS)
+            with open(out / f"{split}.bin.tmp", "wb") as f:
+                for chunk in map(np.asarray, chunks):
+                    if chunk.size and not 0 <= int(chunk.min()) <= int(chunk.max()) < vocab_size:
+                        raise UsageError(f"the tokenizer gave id {int(chunk.max())}, outside its "
+                                         f"vocabulary of {vocab_size}: check the tokenizer; "
+                                         f"{out} is as it was")
+                    chunk.astype(dtype).tofile(f)
+                    meta[f"{split}_tokens"] += chunk.size
+    except BaseException:
+        for split in splits:
+            (out / f"{split}.bin.tmp").unlink(missing_ok=True)
+        raise
+    (out / "meta.json").unlink(missing_ok=True)
+    for split in splits:
+        os.replace(out / f"{split}.bin.tmp", out / f"{split}.bin")
     meta["tokenizer"] = tokenizer
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     print(f"{out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens, "

@@ -145,9 +145,9 @@ def check_out(out: Path, force: bool, rundir: epath.Path | None = None) -> None:
         raise UsageError(f"--out={out} is a file: export writes a folder, name another --out")
     if rundir is not None and "://" not in str(rundir):  # --force replaces out whole
         run, whole = Path(str(rundir)).resolve(), out.resolve()
-        if whole == run or whole in run.parents:
-            raise UsageError(f"--out={out} holds the run directory {rundir}: replacing it would "
-                             "delete the run; name a folder outside it")
+        if whole == run or whole in run.parents or run in whole.parents:
+            raise UsageError(f"--out={out} is, holds or lies in the run directory {rundir}: "
+                             "replacing it could delete the run; name a folder outside it")
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UsageError(f"--out={out} exists and is not empty: pass --force to replace it")
     parent = out.absolute().parent

@@ -85,13 +85,14 @@ def main(argv: list[str] | None = None) -> None:
             if jax.default_backend() == "cpu" and cfg.compute_dtype == "bfloat16":
                 print(f"note: {args.config} computes in bfloat16, for GPUs and TPUs: on a CPU it "
                       "is slow (the CPU recipe: --config=shakespeare_char_cpu, float32)")
+            began = []
             try:
-                done = train.train(cfg, rundir, debug=args.debug)
+                done = train.train(cfg, rundir, debug=args.debug, started=lambda: began.append(1))
                 if done is not None and not args.debug and jax.process_index() == 0:
                     print(f"done: the checkpoints are in {rundir / 'checkpoints'}; read the run "
                           f"with python sample.py --rundir={rundir}")
-            except checkpoint.NothingToResume:  # a refused launch leaves the run as it was
-                if undo:
+            except (UsageError, RunError):  # refused before its first step: the run as it was
+                if undo and not began:
                     undo()
                 raise
     except (UsageError, RunError) as e:

@@ -225,8 +225,9 @@ class Config:
              f"float32, learning_rate > 0"),
             (not 0 <= self.weight_decay < 3e38,
              f"weight_decay={self.weight_decay} must be finite and >= 0"),
-            (not self.adam_eps > 0,
-             f"adam_eps={self.adam_eps} must be > 0: Adam divides by sqrt(v) + eps"),
+            (not 0 < self.adam_eps < 3e38,
+             f"adam_eps={self.adam_eps} must be > 0 and finite in float32: Adam divides by "
+             f"sqrt(v) + eps"),
             (not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1),
              f"beta1={self.beta1} and beta2={self.beta2} must be in [0, 1)"),
             (not (0 <= self.lion_beta1 < 1 and 0 <= self.lion_beta2 < 1
@@ -250,7 +251,7 @@ class Config:
             (0 < self.mlp_ratio < math.inf and self.mlp_width < 1,
              f"mlp_ratio={self.mlp_ratio} x d_model={self.d_model} rounds to an MLP width of 0"),
             (not 0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)"),
-            (self.seed < 0, f"seed={self.seed} must be >= 0"),
+            (not 0 <= self.seed < 2**31, f"seed={self.seed} must be in [0, 2**31)"),
             (self.eval_tasks and self.eval_tasks_interval % self.eval_interval,
              f"eval_tasks_interval={self.eval_tasks_interval} is not a multiple of "
              f"eval_interval={self.eval_interval}: tasks are scored at evaluations"),

@@ -13,7 +13,7 @@ import numpy as np
 from etils import epath
 
 from configs import Config
-from run.errors import RunError
+from run.errors import RunError, UsageError
 
 
 class Logger:
@@ -33,6 +33,8 @@ class Logger:
         if jax.process_index() != 0:  # process 0 alone writes; elsewhere every method does nothing
             self.log = self.text = self.close = lambda *args: None
             return
+        # wandb first: a login or network it lacks stops the launch before any file is touched
+        self.wandb = wandb_run(rundir, wandb_project, config) if wandb_project else None
         self.event, self.summary = event_pb2.Event, summary_pb2.Summary
         self.tb = EventFileWriter(str(rundir))
         # Tensorboard discards the events of steps >= a START session log's step that came before
@@ -43,12 +45,12 @@ class Logger:
         self.tb.add_event(self.event(wall_time=time.time(), step=first, session_log=start_log))
         self.path, self.local = rundir / "metrics.jsonl", not str(rundir).startswith("gs://")
         old = self.path.read_text() if start and self.path.exists() else ""
-        # (a kill mid-append can leave a last line without its newline, a crash a line of zero
-        # bytes where the filesystem had not written the data yet: they are dropped)
-        self.lines = [line for line in old.splitlines(keepends=True)
-                      if line.endswith("\n") and 0 <= logged_step(line) <= start]
+        # (a kill mid-append can leave half a line, a crash a line of zero bytes where the
+        # filesystem had not written the data yet: no record, dropped; a whole record that lost
+        # only its newline is kept, as checkpoint.say_dropped counts it)
+        self.lines = [line.rstrip("\n") + "\n" for line in old.splitlines(keepends=True)
+                      if 0 <= logged_step(line) <= start]
         self.rewrite()
-        self.wandb = wandb_run(rundir, wandb_project, config) if wandb_project else None
 
     def rewrite(self) -> None:
         """The whole file, written aside and renamed into place: a kill never leaves half of it."""
@@ -106,10 +108,17 @@ def wandb_run(rundir: epath.Path, project: str, config: dict | None):
 
     path = rundir / "wandb_id"
     run_id = path.read_text().strip() if path.exists() else uuid.uuid4().hex[:12]
-    path.write_text(run_id)
     local = None if str(rundir).startswith("gs://") else str(rundir)
-    return wandb.init(project=project, id=run_id, resume="allow", dir=local, name=rundir.name,
-                      config=config)
+    try:
+        run = wandb.init(project=project, id=run_id, resume="allow", dir=local,
+                         name=rundir.name, config=config)
+    except Exception as e:  # no API key, no network, a bad project name: wandb's own errors
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UsageError(f"--config.wandb_project={project}: wandb could not start a run "
+                         f"({type(e).__name__}: {why}): run `wandb login`, set "
+                         "WANDB_MODE=offline, or pass --config.wandb_project=''") from None
+    path.write_text(run_id)
+    return run
 
 
 def logged_step(line: str) -> int:

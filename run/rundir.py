@@ -52,11 +52,16 @@ def saved_config(rundir: epath.Path) -> dict:
     if unknown := sorted(set(saved) - set(Config.__dataclass_fields__)):
         raise UsageError(f"{path} has fields this code does not know ({', '.join(unknown)}): "
                          "a run of another version of mugpt")
+    full = {**dataclasses.asdict(Config()), **saved}
     try:
-        Config(**saved)  # each field's type
+        cfg = Config(**full)  # each field's type
+        # and its values, as far as they do not depend on the devices (a hand-edited n_head=0
+        # would stop sample.py deep inside the model): on mesh_replica devices a run that ran
+        # on a multiple of them passes
+        cfg.check(max(cfg.mesh_replica, 1))
     except UsageError as e:
-        raise UsageError(f"{path}: {e}") from None
-    return {**dataclasses.asdict(Config()), **saved}
+        raise UsageError(f"{path}: {e}; restore it or pass a new --rundir") from None
+    return full
 
 
 def resume_config(path: str, overrides: list[str]) -> tuple[str, Config]:
@@ -106,6 +111,7 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
         if (rundir / "config.json").exists():
             run = resumed(rundir, cfg, launch)
         else:
+            check_no_orphans(rundir)
             run = {"config_name": config_name, **launch}
         meta = data.read_meta(cfg)
         check_dataset(rundir, meta, data.data_dir(cfg))
@@ -114,8 +120,7 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
         before = {n: (rundir / n).read_bytes() if (rundir / n).exists() else None for n in names}
         rundir.mkdir(parents=True, exist_ok=True)
         lock_rundir(rundir)
-        if restart:
-            set_aside(rundir)
+        renamed = set_aside(rundir) if restart else []
         (rundir / "dataset.json").write_text(json.dumps(meta, indent=1))
         (rundir / "run.json").write_text(json.dumps(run, indent=1))
         config = json.dumps(dataclasses.asdict(cfg), indent=1)
@@ -131,6 +136,8 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
               file=sys.stderr, flush=True)
 
     def undo():
+        for aside, name in renamed:  # --restart's, back
+            (rundir / aside).rename(rundir / name)
         for name, old in before.items():
             if old is None:
                 (rundir / name).unlink(missing_ok=True)
@@ -158,19 +165,32 @@ def check_space(rundir: epath.Path, cfg: Config) -> None:
                          f"{free:,} are free: free some, or pass another --rundir")
 
 
-def set_aside(rundir: epath.Path) -> None:
+def check_no_orphans(rundir: epath.Path) -> None:
+    """A folder without config.json but with a run's checkpoints is a run that lost its record:
+    taken as a new run, its checkpoints would be resumed under whatever config is given now."""
+    from run import checkpoint, written
+
+    if checkpoint.saved_steps(rundir) or (rundir / written.SAVED).exists():
+        raise UsageError(f"{rundir} holds a run's checkpoints but no config.json: restore its "
+                         f"config.json (the run's settings), or pass another --rundir")
+
+
+def set_aside(rundir: epath.Path) -> list[tuple[str, str]]:
     """--restart: the run's metrics.jsonl and its record of checkpoints renamed NAME.before-STAMP,
-    said in one line; only where no checkpoint is left to resume from."""
+    said in one line; only where no checkpoint is left to resume from. Returns (new name, name)
+    of each, for a refused launch to put back."""
     from run import checkpoint, written
 
     if steps := checkpoint.saved_steps(rundir):
         raise UsageError(f"--restart: {rundir} has checkpoints (steps "
                          f"{', '.join(map(str, steps))}); without --restart it resumes from them")
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp, renamed = time.strftime("%Y%m%d-%H%M%S"), []
     for name in ("metrics.jsonl", written.SAVED):
         if (rundir / name).exists():
             (rundir / name).rename(rundir / f"{name}.before-{stamp}")
+            renamed.append((f"{name}.before-{stamp}", name))
             print(f"--restart: {rundir / name} kept as {name}.before-{stamp}")
+    return renamed
 
 
 def resumed(rundir: epath.Path, cfg: Config, launch: dict) -> dict:
@@ -192,7 +212,8 @@ def resumed(rundir: epath.Path, cfg: Config, launch: dict) -> dict:
     if changed:
         print(f"resuming with {', '.join(changed)}")
     run = read_json(rundir / "run.json")
-    return {**run, "resumed": run.get("resumed", []) + [launch]}
+    before = run.get("resumed", [])  # a hand-edited one is kept, as one more entry
+    return {**run, "resumed": (before if isinstance(before, list) else [before]) + [launch]}
 
 
 _LOCKS = []  # lock_rundir's open lock files: closing one would release its lock

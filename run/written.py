@@ -85,6 +85,10 @@ def damage(step_dir: epath.Path) -> str | None:
         written = json.loads((step_dir / RECORD).read_text())
     except ValueError:
         return f"its {RECORD} is unreadable"
+    shape_ok = lambda v: (isinstance(v, list) and len(v) == 2  # noqa: E731  [size, crc or null]
+                          and all(isinstance(x, int) or x is None for x in v) and v[0] is not None)
+    if not isinstance(written, dict) or not all(map(shape_ok, written.values())):
+        return f"its {RECORD} is unreadable (not {{file: [size, CRC32]}})"
     have = files(step_dir)
     for name, (size, crc) in written.items():
         if name not in have:

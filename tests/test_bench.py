@@ -79,6 +79,10 @@ def test_bench_time_to_reports_the_first_evaluation_at_the_target(shakespeare, t
     assert reached["reached"] and reached["step"] == 0 and 0 < reached["wall_s"]
     assert reached["val_loss"] == pytest.approx(math.log(128), abs=0.1)  # zero readout: uniform
     assert reached["command"].endswith("--time-to=10 --rundir=" + str(tmp_path / "a"))
+    # again into that run: it would resume the run and time its old events
+    again = run([*args, "--time-to=10", f"--rundir={tmp_path / 'a'}"])
+    assert again.returncode == 1 and again.stderr.strip().startswith(
+        f"error: --rundir={tmp_path / 'a'} is not empty: --time-to times a run from step 0")
 
 
 @pytest.mark.parametrize("command", ["launch", "bench"])

@@ -110,8 +110,14 @@ def delete_record(ckpt):
     return "its written.json is missing"
 
 
+def malformed_record(ckpt):
+    """A record that is JSON but not {file: [size, CRC32]}: damaged, not a traceback."""
+    (ckpt / "written.json").write_text("null")
+    return "its written.json is unreadable (not {file: [size, CRC32]})"
+
+
 @pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, flip_reads_finite,
-                                       flip_reads_nonfinite, delete_record])
+                                       flip_reads_nonfinite, delete_record, malformed_record])
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_one(
         straight, tmp_path, env, damage_it):
     """The straight run's directory with its last checkpoint damaged, and the same command again:
@@ -209,6 +215,33 @@ def test_no_intact_checkpoint_is_one_line_and_keeps_them(straight, tmp_path, env
     assert sorted(p.name for p in (rundir / "checkpoints").iterdir()) == [
         f"{STEPS}.damaged", f"{STEPS // 2}.damaged"]
     assert unchanged(rundir) == before
+    # --restart there is refused too (damaged ones may be copied back): its logs are not set aside
+    r = run(launch_args(rundir, f"--config.max_steps={2 * STEPS}", "--restart"), env)
+    assert_one_line_error(r, f"no intact checkpoint in {rundir / 'checkpoints'}, only damaged")
+    assert unchanged(rundir) == before and not list(rundir.glob("*.before-*"))
+
+
+def test_a_launch_refused_before_its_first_step_leaves_the_run_as_it_was(straight, tmp_path, env):
+    """A resume whose task file is missing stops before it trains: config.json and run.json are as
+    they were (the next plain resume would otherwise fail the same way). A run that lost its
+    config.json is refused, not taken for a new run that resumes its checkpoints under new
+    settings."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    before = unchanged(rundir)
+    r = run(["launch.py", f"--rundir={rundir}", f"--config.max_steps={2 * STEPS}",
+             "--config.eval_tasks=nosuchtask", f"--config.eval_tasks_interval={STEPS}",
+             f"--config.eval_interval={STEPS}"], env)
+    assert_one_line_error(r, "task 'nosuchtask' is neither a file nor one of")
+    assert unchanged(rundir) == before
+    r = run(["launch.py", f"--rundir={rundir}", f"--config.max_steps={STEPS - 1}"], env)
+    assert_one_line_error(r, f"the checkpoint of {rundir} is at step {STEPS}, past max_steps="
+                             f"{STEPS - 1}: pass --config.max_steps={STEPS} or more")
+    assert unchanged(rundir) == before
+    (rundir / "config.json").unlink()
+    r = run(launch_args(rundir, f"--config.max_steps={2 * STEPS}"), env)
+    assert_one_line_error(r, f"{rundir} holds a run's checkpoints but no config.json: restore")
+    assert not (rundir / "config.json").exists() and (rundir / "run.json").read_bytes() == before["run.json"]
 
 
 def test_a_checkpoint_of_another_model_is_not_called_damaged(tmp_path):
@@ -319,11 +352,17 @@ def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, en
 def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path):
     """After a power loss a filesystem may keep an appended line's length but not its bytes (zeros);
     a resume at step 20 drops it and any other line that is not a record, keeping the steps up to
-    20 once each."""
+    20 once each; a whole record that lost only its newline is a record (as say_dropped counts)."""
     path = tmp_path / "metrics.jsonl"
     lines = ['{"step": 10, "loss": 1.0}', "\0" * 25, '{"step": 20, "loss": 2.0}', "[]",
              '{"step": 30, "loss": 3.0}']
     path.write_text("".join(line + "\n" for line in lines))
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    (cut / "metrics.jsonl").write_text(lines[0] + "\n" + lines[2])  # no newline at its end
+    kept = Logger(epath.Path(cut), 20)
+    kept.close()
+    assert (cut / "metrics.jsonl").read_text() == lines[0] + "\n" + lines[2] + "\n"
     logger = Logger(epath.Path(tmp_path), 20)
     logger.log(30, {"loss": 4.0}, {})
     logger.close()
@@ -355,8 +394,15 @@ def unknown_field(path):
     return f"{path} has fields this code does not know (from_the_future)"
 
 
+def no_heads(path):
+    """A value no run can have (hand-edited): sample.py stopped on a ZeroDivisionError."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), "n_head": 0}))
+    return f"{path}: n_head=0 must be at least 1; restore it or pass a new --rundir"
+
+
 @pytest.mark.parametrize("tool,fault", [(t, cut_short) for t in TOOLS] + [
-    ("launch", null), ("sample", null), ("launch --config", unknown_field)])
+    ("launch", null), ("sample", null), ("launch --config", unknown_field), ("sample", no_heads),
+    ("export", no_heads)])
 def test_a_bad_config_json_is_one_line_in_each_tool_and_nothing_is_written(
         straight, tmp_path, env, tool, fault):
     """config.json cut short, null, or with a field this code does not know: each command says so

@@ -220,8 +220,11 @@ def small_dataset(tmp_path):
     return dataclasses.replace(tiny(dataset="small", data_root=str(tmp_path), vocab_size=50, block_size=16)), tmp_path / "small"
 
 
-def test_a_write_cut_off_leaves_no_dataset(small_dataset):
+def test_a_write_cut_off_or_refused_leaves_the_old_dataset(small_dataset):
+    """Ctrl-C halfway through tokenizing, or a tokenizer whose ids pass its vocabulary size (a
+    tokenizer.json with holes in its ids): the dataset there before is whole, no .tmp stays."""
     cfg, path = small_dataset
+    before = np.array(data.load_split(cfg, "train"))
 
     def failing():
         yield np.arange(10)
@@ -229,8 +232,10 @@ def test_a_write_cut_off_leaves_no_dataset(small_dataset):
 
     with pytest.raises(KeyboardInterrupt):
         data.write_dataset(path, {"train": failing(), "val": [np.arange(10)]}, 50, {"kind": "char", "chars": "x" * 50})
-    with pytest.raises(UsageError, match="no dataset at .*python data.py small"):
-        data.load_split(cfg, "train")
+    with pytest.raises(UsageError, match="the tokenizer gave id 60, outside its vocabulary of 50: .* is as it was"):
+        data.write_dataset(path, {"train": [np.arange(10)], "val": [np.arange(61)]}, 50, {"kind": "char", "chars": "x" * 50})
+    np.testing.assert_array_equal(data.load_split(cfg, "train"), before)
+    assert sorted(p.name for p in path.iterdir()) == ["meta.json", "train.bin", "val.bin"]
 
 
 def test_truncated_bin_is_reported(small_dataset):

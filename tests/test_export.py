@@ -123,8 +123,8 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     # --force would replace --out whole: never the run itself, or a folder holding it
     run_files = sorted(p.name for p in rundir.iterdir())
-    for out in (rundir, rundir.parent):
-        with pytest.raises(UsageError, match="holds the run directory .*: replacing it would delete"):
+    for out in (rundir, rundir.parent, rundir / "checkpoints", rundir / "new"):
+        with pytest.raises(UsageError, match="is, holds or lies in the run directory .*: replacing"):
             export.export(epath.Path(rundir), out, force=True)
     assert sorted(p.name for p in rundir.iterdir()) == run_files
     (tmp_path / "f").write_text("")  # --out under a file: refused before the checkpoint is read

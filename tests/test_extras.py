@@ -40,3 +40,21 @@ def test_wandb_offline_and_a_resumed_run_continues_the_same_wandb_run(shakespear
         assert b"rope_base" in records and b"vocab_multiple" in records
         assert b"sample" in records
     assert json.loads((rundir / "config.json").read_text())["wandb_project"] == "mugpt"
+
+
+def test_wandb_without_a_login_is_one_line_and_writes_nothing(shakespeare, tmp_path):
+    """--config.wandb_project online with no API key (a fresh machine): one line naming the ways
+    out, before the run directory's logs are touched; the refused launch leaves no config.json
+    that would fail every resume the same way."""
+    pytest.importorskip("wandb")
+    rundir = tmp_path / "run"
+    env = {"WANDB_MODE": "online", "WANDB_API_KEY": "", "HOME": str(tmp_path), "WANDB_SILENT": "true",
+           "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config")}
+    r = run(["launch.py", *TINY_RUN, f"--rundir={rundir}", "--config.max_steps=2",
+             "--config.wandb_project=mugpt"], env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: --config.wandb_project=mugpt: wandb could not start a run") \
+        and "wandb login" in line and "WANDB_MODE=offline" in line, line
+    assert not (rundir / "config.json").exists() and not (rundir / "wandb_id").exists()
+    assert not list(rundir.glob("events.out.tfevents.*"))

@@ -62,7 +62,9 @@ def test_an_optional_field_parses_its_type_or_none():
     ("rope_base", 0.0, "rope_base=0.0 must be > 0 and finite"),
     ("alpha_out", 0.0, "alpha_out=0.0 must be > 0 and finite"),
     # numpy's generator would fail after the run directory is written
-    ("seed", -1, "seed=-1 must be >= 0"),
+    ("seed", -1, "seed=-1 must be in [0, 2**31)"),
+    ("seed", 2**64, "seed=18446744073709551616 must be in [0, 2**31)"),  # jax.random.key's overflow
+    ("adam_eps", 1e300, "adam_eps=1e+300 must be > 0 and finite in float32"),  # inf: no update
     ("mlp_ratio", 0, "mlp_ratio=0 must be > 0 and finite"),  # an MLP of no width
     # a ZeroDivisionError in check itself
     ("mesh_replica", 0, "mesh_replica=0 must be at least 1"),

@@ -63,7 +63,8 @@ def for_documents(name: str) -> tuple[dict, int, Callable[[str], list[int]]]:
         tok.encode_special_tokens = True
         return tok.encode(text).ids + [vocab[eos]]
 
-    return record, tok.get_vocab_size(), encode
+    # the ids reach the largest in the vocabulary, which get_vocab_size (a count) may not
+    return record, max(tok.get_vocab_size(), max(vocab.values()) + 1), encode
 
 
 def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:

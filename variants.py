@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="docs/variants also remakes docs/variants.md's table")
     ap.add_argument("--runs", default="runs/variants", help="where the runs train")
     args = ap.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        sys.exit(f"error: --seeds={args.seeds}: pass integers separated by commas, e.g. 0,1,2")
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         sys.exit(f"error: unknown variant {unknown[0]!r}; the variants: {', '.join(VARIANTS)}")

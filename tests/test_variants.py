@@ -225,3 +225,12 @@ def test_variants_table_gives_each_variant_minus_the_baseline_with_welchs_interv
         d, h = (ci.high + ci.low) / 2, (ci.high - ci.low) / 2
         assert f"| {v} | {np.mean(loss[v]):.4f} ± {np.std(loss[v], ddof=1):.4f} | {d:+.4f} ± {h:.4f}" \
             f"{' (resolved)' if resolved else ''} |" in md
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--seeds=x"], "error: --seeds=x: pass integers separated by commas, e.g. 0,1,2"),
+    (["--variants=mla"], "error: unknown variant 'mla'; the variants: "),
+])
+def test_the_variants_command_refuses_bad_flags_in_one_line(args, message):
+    r = run(["variants.py", *args])
+    assert r.returncode == 1 and r.stderr.startswith(message) and len(r.stderr.splitlines()) == 1

@@ -238,10 +238,8 @@ def explain_out_of_memory(fn: Callable) -> Callable:
 @explain_out_of_memory
 def train(cfg: Config, rundir: epath.Path, debug: bool = False,
           started: Callable[[], None] = lambda: None) -> dict[str, float] | None:
-    """Train from rundir's latest checkpoint, or from scratch; returns the last evaluation (None if
-    a signal stopped the run or nothing was left to do). debug: profile some steps, save none.
-    started: called once the run is set up (its tasks, checkpoint and loggers read) and about to
-    train: an error before it is a refused launch (launch.py then puts the run directory back)."""
+    """Train from rundir's latest checkpoint or from scratch; the last evaluation, or None (a signal
+    stopped it, nothing was left). debug: profile, save none. started(): just before the loop."""
     cfg.check(jax.device_count())
     mesh = make_mesh(cfg)
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
@@ -253,10 +251,6 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
     with one_line(f"reading the checkpoints in {rundir}"):
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
         start, model, opt_state, saved = resume(mngr, model, opt_state)
-    if start > cfg.max_steps:  # its config.json would say fewer steps than the model has had
-        raise UsageError(f"the checkpoint of {rundir} is at step {start}, past max_steps="
-                         f"{cfg.max_steps}: pass --config.max_steps={start} or more (a run does "
-                         "not train backwards; an earlier checkpoint: export.py --step=N)")
     tally = Tally(cfg, saved)
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     batch_shape = (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
@@ -292,17 +286,15 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
     end = min(start + 8, cfg.max_steps) if debug else cfg.max_steps  # --debug: a profile, stop
     bar = tqdm(initial=start, total=end, desc="train", dynamic_ncols=True, mininterval=1.0,
                disable=jax.process_index() != 0)
-    tags = {"loss": "loss/batch", "objective": "objective/batch", "lr": "lr",
-            "grad_norm": "grad_norm", "skipped": "skipped_steps", "tokens_per_s": "tokens_per_s",
-            "mfu": "mfu"}
+    tags = {"loss": "loss/batch", "objective": "objective/batch", "skipped": "skipped_steps",
+            **{k: k for k in ("lr", "grad_norm", "tokens_per_s", "mfu")}}
     tokens_per_s, t0, t0_step = None, None, start
     started()
     try:  # the step-0 evaluation too: whatever error stops it, the bar and files are closed
         last = log_eval(0, None) if start == 0 else None
         with stop_signals() as caught:
             for step in range(start, end):
-                # profile (--debug)
-                if debug and step == min(start + 5, cfg.max_steps - 1):
+                if debug and step == min(start + 5, cfg.max_steps - 1):  # profile (--debug)
                     jax.profiler.start_trace(str(rundir / "profile"))
                 done = step + 1
                 # read the batch of this step, take the step
@@ -348,7 +340,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
                     then = "checkpoint saved; run the same command to resume"
                     say(f"{what} at step {done}: {'stopping' if debug else then}")
                     return None
-        if start == cfg.max_steps:
+        if start >= cfg.max_steps:
             say(f"the checkpoint is at step {start}, max_steps={cfg.max_steps}: nothing to do")
         return last
     finally:

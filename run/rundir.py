@@ -207,7 +207,12 @@ def resumed(rundir: epath.Path, cfg: Config, launch: dict) -> dict:
     from run import checkpoint
 
     old = dataclasses.replace(cfg, **{n: saved[n] for n in configs.RESUMABLE})
-    optimizers.check_extension(old, cfg, max(checkpoint.saved_steps(rundir), default=0))
+    newest = max(checkpoint.saved_steps(rundir), default=0)
+    if newest > cfg.max_steps:  # config.json would say fewer steps than the model has had
+        raise UsageError(f"the checkpoint of {rundir} is at step {newest}, past max_steps="
+                         f"{cfg.max_steps}: pass --config.max_steps={newest} or more (a run does "
+                         "not train backwards; an earlier checkpoint: export.py --step=N)")
+    optimizers.check_extension(old, cfg, newest)
     changed = [f"{n}={v!r} (was {saved[n]!r})" for n, v in new.items() if saved[n] != v]
     if changed:
         print(f"resuming with {', '.join(changed)}")

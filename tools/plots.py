@@ -263,14 +263,15 @@ def depth_rules_against_off(doc: dict) -> list[str]:
              "Best loss over the grid, muP + CompleteP minus muP with the depth rules off (a "
              "difference counts only when its 95% interval excludes 0; at the base depth the two "
              "are the same runs):", ""]
-    lower = {"the rules": [], "no rules": []}
+    lower, spread = {"the rules": [], "no rules": []}, []
     for n in depths:
         d, h = difference(off[n]["loss"], on[n]["loss"])
         lines.append(f"- depth {n}: with the rules {cell(*mean_sd(on[n]['loss']), 3)}, without "
                      f"{cell(*mean_sd(off[n]['loss']), 3)}, difference {cell(d, h, 3)}")
+        spread.append(not np.isnan(h))
         if abs(d) > h:  # False for nan: one seed
             lower["the rules" if d < 0 else "no rules"].append(str(n))
-    if all(np.isnan(difference(off[n]["loss"], on[n]["loss"])[1]) for n in depths):
+    if not any(spread):
         lines += ["", "One seed per LR; no spread: no claim either way.", ""]
     else:
         said = "; ".join(f"{who} at depth {', '.join(at)}" for who, at in lower.items() if at)

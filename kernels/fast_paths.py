@@ -5,13 +5,13 @@ select() checks each one that applies to the run's device and shapes where the m
 the model's forward is traced once at the run's shapes with a recorder in each fast path's place,
 which notes how the model calls the function (the arguments, their shapes and dtypes, which are
 None, which vary with the parameters and tokens); then each fast path runs beside model.py's own
-function on those calls, values drawn at those shapes, forward and gradient, on a batch split over
-the run's devices as train.py splits its batch. One that differs (model.py was edited, say), fails
-(an argument it does not take), or would hand the call to model.py's function (a mask it has no
-kernel for) is set aside with a printed line, and model.py's function runs. So an edit to model.py
-always runs, a fast path never fails a step, and the line naming what runs fused is true; the
-check catches differences larger than the dtype's rounding (TOLERANCE), and
---config.kernels=false turns every fast path off.
+function on those calls, values drawn at those shapes and at several scales (SCALES), forward and
+gradient, on a batch split over the run's devices as train.py splits its batch. One that differs
+(model.py was edited, say), fails (an argument it does not take), or would hand the call to
+model.py's function (a mask it has no kernel for) is set aside with a printed line, and model.py's
+function runs. So an edit to model.py always runs, a fast path never fails a step, and the line
+naming what runs fused is true; the check catches differences larger than the dtype's rounding at
+any position (TOLERANCE), and --config.kernels=false turns every fast path off.
 
 - attend: jax.nn.dot_product_attention's cuDNN flash attention (GPU, bfloat16); on a TPU, JAX's
   Pallas splash attention (causal; not ALiBi, whose bias it has no input for).
@@ -39,9 +39,14 @@ import model
 from kernels import cross_entropy as fused_cross_entropy, pallas_qk_norm_rope as pallas
 from configs import Config
 
-# Largest relative error (norm of the difference over the norm of model.py's result) a fast path
-# may show, forward or gradient: a few roundings of the compute dtype.
+# Largest relative error a fast path may show, forward or gradient: a few roundings of the dtype.
+# Outputs are compared row by row (relative_error), gradients over the whole array.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
+# The scales the check draws the model's inputs at, outputs compared at each: an edit whose effect
+# hides at one magnitude (a soft-cap on attention's logits, a norm's epsilon, a z-loss term) shows
+# at another. Gradients at the first only: near a one-hot softmax (large logits) a correct flash
+# attention's backward in bfloat16 differs from autodiff's by more than rounding.
+SCALES = (1.0, 1 / 64, 64.0)
 SPLASH_BLOCK = 128  # splash attention's default blocks of queries and keys
 
 
@@ -176,10 +181,10 @@ def model_loss(gpt: model.GPT, x_BT: jax.Array, y_BT: jax.Array) -> jax.Array:
 def calls_in_model(cfg: Config, names: set[str], loss: Callable = model_loss
                    ) -> dict[str, list[Call]]:
     """{name: the distinct calls of model.<name>} where the model calls a fast path, at the run's
-    shapes: the logits and the loss (of one sequence, its tokens as targets) traced abstractly
-    (jax.eval_shape), the model built with a recorder as its fast path, under a jax.vmap over the
-    parameters and the tokens, whose batching rule (custom_vmap's) tells which arguments vary
-    with them."""
+    shapes: the logits and the loss (of loss_chunks sequences, their tokens as targets) traced
+    abstractly (jax.eval_shape), the model built with a recorder as its fast path, under a
+    jax.vmap over the parameters and the tokens, whose batching rule (custom_vmap's) tells which
+    arguments vary with them."""
     calls = {name: [] for name in names}
 
     def recorder(name: str) -> Callable:
@@ -213,9 +218,10 @@ def calls_in_model(cfg: Config, names: set[str], loss: Callable = model_loss
     two = lambda x: jax.ShapeDtypeStruct((2, *x.shape), x.dtype)  # noqa: E731
     tokens = jax.ShapeDtypeStruct((2, cfg.block_size), jnp.int32)
 
-    def forward(params, tokens_T):  # the logits, and the loss training runs
-        gpt = eqx.combine(params, static)
-        return gpt(tokens_T), loss(gpt, tokens_T[None], tokens_T[None])
+    def forward(params, tokens_T):  # the logits, and the loss training runs (on loss_chunks
+        gpt = eqx.combine(params, static)  # sequences: it splits its batch into that many)
+        tokens_BT = jnp.broadcast_to(tokens_T, (cfg.loss_chunks, *tokens_T.shape))
+        return gpt(tokens_T), loss(gpt, tokens_BT, tokens_BT)
 
     jax.eval_shape(jax.vmap(forward), jax.tree.map(two, params), tokens)
     distinct = lambda c: repr(c) + str([d.varies for d in drawn_in(c)])  # noqa: E731
@@ -247,15 +253,16 @@ def check_at(path: FastPath, call: Call, cfg: Config, mesh: jax.sharding.Mesh | 
 
 def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
     """(arrays, run) for the check: the call's varying float arrays drawn at random (the inputs
-    differentiated), the others drawn once and held constant, and run(fn, *arrays) calls fn as
-    the model calls it."""
+    differentiated), the others drawn once and held constant; run(fn, scale, *arrays) calls fn
+    as the model calls it, the inputs times scale."""
     drawn = drawn_in(call)
     keys = jax.random.split(key, max(len(drawn), 1))
     values = {id(d): draw(d, k) for d, k in zip(drawn, keys)}
     inputs = [d for d in drawn if d.varies and jnp.issubdtype(d.dtype, jnp.floating)]
 
-    def run(fn, *arrays):
-        by_id = values | dict(zip(map(id, inputs), arrays))
+    def run(fn, scale, *arrays):
+        scaled = [x * scale.astype(x.dtype) for x in arrays]
+        by_id = values | dict(zip(map(id, inputs), scaled))
         args, kwargs = remap(call.spec, lambda d: by_id[id(d)], is_drawn, {})
         return fn(*args, **kwargs)
 
@@ -293,8 +300,8 @@ def batch_on(mesh: jax.sharding.Mesh | None, cfg: Config, example: Callable) -> 
     arrays = jax.device_put(arrays, NamedSharding(mesh, P(mesh.axis_names)))
     call = examples[0][1]
 
-    def batched_call(fn, *arrays):
-        return jax.vmap(lambda *a: call(fn, *a), spmd_axis_name=batch_axes())(*arrays)
+    def batched_call(fn, scale, *arrays):
+        return jax.vmap(lambda *a: call(fn, scale, *a), spmd_axis_name=batch_axes())(*arrays)
 
     return arrays, batched_call
 
@@ -307,34 +314,56 @@ def say(line: str) -> None:
 
 def mismatch(fast: Callable, reference: Callable, arrays: tuple, call: Callable,
              tolerance: float) -> str | None:
-    """Why fast is not reference on these inputs (outputs, or gradients of a random projection of
-    them), or None when they agree within tolerance."""
-    def outputs_and_grads(fn, arrays):
-        out, pullback = jax.vjp(lambda *a: call(fn, *a), *arrays)
+    """Why fast is not reference on these inputs at each of SCALES (outputs, or gradients of a
+    random projection of them), or None when they agree within tolerance."""
+    def outputs_and_grads(fn, scale, arrays):
+        out, pullback = jax.vjp(lambda *a: call(fn, scale, *a), *arrays)
         leaves = jax.tree.leaves(out)
         keys = jax.random.split(jax.random.key(1), len(leaves))
         cotangent = [jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves)]
         return out, pullback(jax.tree.unflatten(jax.tree.structure(out), cotangent))
 
-    try:
-        want = jax.jit(functools.partial(outputs_and_grads, reference))(arrays)
-    except Exception as e:  # nothing to compare the fast path with
-        return f"model.py's function fails on values drawn at these shapes ({first_line(e)})"
-    try:
-        got = jax.jit(functools.partial(outputs_and_grads, fast))(arrays)
-    except Exception as e:
-        return f"it failed: {first_line(e)}"
-    for part, g, w in (("output", got[0], want[0]), ("gradient", got[1], want[1])):
-        if jax.tree.structure(g) != jax.tree.structure(w):
-            return f"its {part} has another structure"
-        for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
-            if a.shape != b.shape:
-                return f"its {part} has shape {a.shape}, model.py's {b.shape}"
-            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-            error = float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
-            if not error <= tolerance:
-                return f"its {part} differs by {error:.3g} relative (at most {tolerance:g} allowed)"
+    want_fn = jax.jit(functools.partial(outputs_and_grads, reference))  # one compilation each,
+    got_fn = jax.jit(functools.partial(outputs_and_grads, fast))  # the scale an input
+    for scale in SCALES:
+        try:
+            want = want_fn(jnp.float32(scale), arrays)
+        except Exception as e:  # nothing to compare the fast path with
+            return f"model.py's function fails on values drawn at these shapes ({first_line(e)})"
+        try:
+            got = got_fn(jnp.float32(scale), arrays)
+        except Exception as e:
+            return f"it failed: {first_line(e)}"
+        parts = [("output", got[0], want[0], relative_error)]
+        if scale == SCALES[0]:
+            parts.append(("gradient", got[1], want[1], whole_relative_error))
+        for part, g, w, error_of in parts:
+            if jax.tree.structure(g) != jax.tree.structure(w):
+                return f"its {part} has another structure"
+            for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+                if a.shape != b.shape:
+                    return f"its {part} has shape {a.shape}, model.py's {b.shape}"
+                error = error_of(a, b)
+                if not error <= tolerance:
+                    at = "" if scale == 1 else f", inputs drawn at {scale:g} times the normal"
+                    return (f"its {part} differs by {error:.3g} relative (at most {tolerance:g} "
+                            f"allowed{at})")
     return None
+
+
+def relative_error(a: jax.Array, b: jax.Array) -> float:
+    """The largest over rows (along the last axis: a position's, a head's values) of the norm of
+    a - b over the norm of b (one axis: the whole array): a difference at a few positions (a
+    window that cuts the last keys) is not averaged away by the others."""
+    a, b = (jnp.atleast_2d(x.astype(jnp.float32)) for x in (a, b))
+    row = lambda x: jnp.linalg.norm(x.reshape(-1, x.shape[-1]), axis=-1)  # noqa: E731
+    norm = row(b)
+    return float(jnp.max(row(a - b) / jnp.maximum(norm, 1e-3 * jnp.max(norm) + 1e-30)))
+
+
+def whole_relative_error(a: jax.Array, b: jax.Array) -> float:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
 
 
 def first_line(e: Exception) -> str:

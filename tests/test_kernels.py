@@ -213,6 +213,85 @@ def test_an_attention_edit_sets_the_kernel_aside_where_the_model_calls_it(monkey
     np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
 
 
+def capped_logits(cap):
+    """model.attend with Gemma 2's soft-cap on the logits, cap * tanh(l / cap), written in place."""
+    def attend(q_THK, k_SHK, v_SHK, scale, mask_TS=None, bias_HTS=None):  # G = H
+        l_HTS = scale * jnp.einsum("THK,SHK->HTS", q_THK, k_SHK, preferred_element_type=jnp.float32)
+        causal_TS = jnp.tril(jnp.ones(l_HTS.shape[1:], bool)) if mask_TS is None else mask_TS
+        probs_HTS = jax.nn.softmax(jnp.where(causal_TS, cap * jnp.tanh(l_HTS / cap), -jnp.inf), -1)
+        return jnp.einsum("HTS,SHK->THK", probs_HTS.astype(v_SHK.dtype), v_SHK)
+    return "attend", attend
+
+
+def windowed(w):
+    """model.attend whose default mask keeps the last w keys only (Beltagy et al. 2020), w just
+    under the block: the last positions lose a key or two."""
+    plain = M.attend
+
+    def attend(q_THK, k_SHK, v_SHK, scale, mask_TS=None, bias_HTS=None):
+        if mask_TS is None:
+            back_TS = jnp.arange(q_THK.shape[0])[:, None] - jnp.arange(k_SHK.shape[0])
+            mask_TS = (back_TS >= 0) & (back_TS < w)
+        return plain(q_THK, k_SHK, v_SHK, scale, mask_TS, bias_HTS)
+    return "attend", attend
+
+
+def norm_eps(eps):
+    """model.layer_norm with another epsilon: the Pallas kernel has its own."""
+    def layer_norm(x_THK, gain_K):
+        x = x_THK.astype(jnp.float32)
+        x = x - jnp.mean(x, axis=-1, keepdims=True)
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gain_K
+    return "layer_norm", layer_norm
+
+
+def z_loss(weight):
+    """model.cross_entropy plus PaLM's z-loss, weight * log-sum-exp^2 (Chowdhery et al. 2022)."""
+    plain = M.cross_entropy
+
+    def cross_entropy(h_TD, unembed_VD, mult, y_T):
+        lse_T = jax.nn.logsumexp(M.readout(h_TD, unembed_VD, mult), axis=-1)
+        return plain(h_TD, unembed_VD, mult, y_T) + weight * jnp.square(lse_T)
+    return "cross_entropy", cross_entropy
+
+
+@pytest.mark.parametrize("edit,kernel", [
+    (capped_logits(50.0), "cuDNN flash attention"), (windowed(15), "cuDNN flash attention"),
+    (norm_eps(1e-3), "the Pallas QK-norm + RoPE kernel"),
+    (z_loss(1e-4), "the fused readout cross-entropy")],
+    ids=["soft-cap-50", "window-15-of-16", "layer-norm-eps-1e-3", "z-loss-1e-4"])
+def test_an_edit_that_bfloat16_rounding_would_hide_sets_its_kernel_aside(monkeypatch, capsys,
+                                                                         edit, kernel):
+    """In bfloat16, edits whose effect is below the rounding where the inputs are of size 1, or at
+    a few positions only: a soft-cap far above the logits, a window that cuts the oldest key of
+    the last position, a QK-norm epsilon of 1e-3, a z-loss term. The check compares outputs
+    position by position at several scales, and sets aside the kernel that would run without
+    the edit; the others stay fused."""
+    fast_paths = every_kernel(monkeypatch)
+    monkeypatch.setattr(M, *edit)
+    fast = fast_paths.select(tiny(compute_dtype="bfloat16"))
+    err = capsys.readouterr().err
+    assert f"kernels: {kernel} set aside" in err, err
+    assert len(fast) == 3, err
+
+
+def test_the_fast_paths_take_a_chunked_loss(monkeypatch, capsys):
+    """--config.loss_chunks=2 (train.py's advice when memory runs out) with every fast path: the
+    self-check traces train.loss_fn on as many sequences as it splits the batch into, all four
+    are fused, and a step's loss is that of model.py's functions alone."""
+    import train
+    every_kernel(monkeypatch)
+    cfg = tiny(loss_chunks=2)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    assert capsys.readouterr().err.splitlines()[-1] == ALL_FUSED
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 16)).astype(np.int32)
+    y = np.roll(x, -1, axis=-1)
+    plain = jax.tree.unflatten(jax.tree.structure(M.GPT(cfg)), jax.tree.leaves(s.model))
+    want = jax.jit(train.objective, static_argnums=3)(plain, x[0], y[0], cfg)
+    _, _, metrics = s.step(s.model, s.opt_state, x, y)
+    np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
+
+
 def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys):
     """kernels.recomputing_gelu runs model.gelu whatever it says, forward and backward: with GELU
     edited to its exact (erf) form, the check passes and the kernel computes the edit, values and

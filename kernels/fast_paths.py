@@ -27,6 +27,7 @@ device's own sequences (per_device), so 1, 2 or 8 devices run the same kernel on
 import contextlib
 import dataclasses
 import functools
+import math
 import sys
 from typing import Callable
 
@@ -38,6 +39,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import model
 from kernels import cross_entropy as fused_cross_entropy, pallas_qk_norm_rope as pallas
 from configs import Config
+from run.errors import UsageError
 
 # Largest relative error a fast path may show, forward or gradient: a few roundings of the dtype.
 # Outputs are compared row by row (relative_error), gradients over the whole array.
@@ -124,7 +126,44 @@ def select(cfg: Config, mesh: jax.sharding.Mesh | None = None, loss: Callable | 
     if chosen:
         say("kernels: fused, each checked where the model calls it: "
             + ", ".join(f"model.{name} as {path.what}" for name, path in chosen.items()))
-    return {name: path.fn for name, path in chosen.items()}
+    fast = {name: path.fn for name, path in chosen.items()}
+    check_loss_is_logits(cfg, fast)
+    return fast
+
+
+def spread(shape: tuple, dtype, seed: int) -> jax.Array:
+    """Values in [-2, 2] with no pattern a readout would notice: cheaper to compile than
+    jax.random's (this runs at every start, on the CPU too)."""
+    i = jnp.arange(math.prod(shape), dtype=jnp.float32)
+    return (2 * jnp.cos(i * 2.399963 + seed)).reshape(shape).astype(dtype)
+
+
+def check_loss_is_logits(cfg: Config, fast: dict[str, Callable]) -> None:
+    """GPT.loss (what training runs and logs; the fused cross-entropy where chosen) against the
+    cross-entropy of GPT.logits (what sampling, eval.py and the export compute), on a random
+    readout of the run's shapes and a few positions: two copies of the readout, so an edit to one
+    (a soft-cap in GPT.logits) would train one model and sample another. A UsageError if they
+    differ beyond the dtype's rounding."""
+    shapes = eqx.filter_eval_shape(model.GPT, cfg, fast)
+    params, static = eqx.partition(shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    T, dtype = min(cfg.block_size, 8), jnp.dtype(cfg.compute_dtype)
+
+    @jax.jit
+    def both(scale):  # the unused arrays (the blocks') never made: XLA drops them
+        leaves, tree = jax.tree.flatten(params)
+        drawn = [scale * spread(x.shape, x.dtype, i) for i, x in enumerate(leaves)]
+        gpt = eqx.combine(jax.tree.unflatten(tree, drawn), static)
+        x_TD, y_T = spread((T, cfg.d_model), dtype, -1), jnp.arange(T) * 7 % cfg.vocab_size
+        logits_TV = gpt.logits(x_TD)
+        label_T = jnp.take_along_axis(logits_TV, y_T[:, None], axis=-1)[:, 0]
+        return gpt.loss(x_TD, y_T), jax.nn.logsumexp(logits_TV, axis=-1) - label_T
+
+    for scale in SCALES:  # the parameters' (the stream is normed before the readout)
+        error = whole_relative_error(*both(scale))
+        if not error <= TOLERANCE[cfg.compute_dtype]:
+            raise UsageError(f"model.GPT.loss is not the cross-entropy of model.GPT.logits (they "
+                             f"differ by {error:.3g} relative): an edit reached one of them "
+                             "only; make it in both, or in the functions both call (readout)")
 
 
 class Drawn:

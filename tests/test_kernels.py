@@ -292,6 +292,23 @@ def test_the_fast_paths_take_a_chunked_loss(monkeypatch, capsys):
     np.testing.assert_allclose(metrics["loss"], want, rtol=1e-5)
 
 
+def test_an_edit_that_reaches_the_logits_but_not_the_loss_is_refused(monkeypatch):
+    """A final soft-cap written in GPT.logits reaches sampling, eval.py and the export but not
+    GPT.loss, which training runs and logs: the run is refused in one line before it starts.
+    The same cap in model.readout, which both call, trains."""
+    import train
+    from run.errors import UsageError
+    cap = lambda x: 30 * jnp.tanh(x / 30)  # noqa: E731
+    plain_logits, plain_readout, cfg = M.GPT.logits, M.readout, tiny()
+    monkeypatch.setattr(M.GPT, "logits", lambda self, x_TD: cap(plain_logits(self, x_TD)))
+    with pytest.raises(UsageError, match=r"^model.GPT.loss is not the cross-entropy of "
+                                         r"model.GPT.logits \(they differ by .* relative\)"):
+        train.setup(cfg, train.make_mesh(cfg))
+    monkeypatch.setattr(M.GPT, "logits", plain_logits)
+    monkeypatch.setattr(M, "readout", lambda h, w, mult: cap(plain_readout(h, w, mult)))
+    train.setup(cfg, train.make_mesh(cfg))
+
+
 def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys):
     """kernels.recomputing_gelu runs model.gelu whatever it says, forward and backward: with GELU
     edited to its exact (erf) form, the check passes and the kernel computes the edit, values and

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
-from inference.decode import generate, prompt_window
+from inference.decode import check_cache, generate, prompt_window
 from run.errors import UsageError
 from run.reading import read_config, read_dataset_record, restore_model, tokenizer
 
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"note: --context={S} is past block_size={cfg.block_size}: RoPE's positions "
                   f"beyond it were never trained (ALiBi's extrapolate)", file=sys.stderr)
         model, step = restore_model(rundir, cfg, args.step)
+        check_cache(model, S)  # an edit of model.py that decoding does not follow: refused
     except UsageError as e:
         sys.exit(f"error: {e}")
     prompt = prompt[-S:]

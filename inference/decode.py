@@ -5,7 +5,8 @@ model was trained on those). A longer prompt keeps its last S tokens, and when t
 window slides by half: the last S // 2 tokens are run again from position 0 (a fresh cache) and
 generation goes on, so every new token sees S // 2 to S tokens. Each layer runs its own
 Block.__call__ (model.hidden with a cache), no fused kernels, so an edit of model.py reaches
-decoding.
+decoding; one that reaches the forward but not the cached path (a mask made where attend's mask_TS
+is None) is caught by check_cache, which sample.py and training's preview run first.
 
 Shapes as in model.py, plus S cache positions and N new tokens per sample."""
 from functools import partial
@@ -17,7 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import Config
+from kernels.fast_paths import TOLERANCE
 from model import GPT, KVCache
+from run.errors import UsageError
 
 
 def empty_cache(model: GPT, S: int) -> KVCache:
@@ -34,6 +37,33 @@ def extend(model: GPT, cache: KVCache, tokens_T: jax.Array, start) -> tuple[jax.
     (T = S, start 0) and each decode step (T = 1) by model.hidden itself, so training and decoding
     cannot drift apart. Returns the last block's output and the cache."""
     return model.hidden(tokens_T, start, cache)
+
+
+@eqx.filter_jit
+def cache_error(model: GPT, S: int) -> jax.Array:
+    """How far decoding's logits are from the full forward's over S tokens (fast_paths'
+    relative_error, position by position): a prefill of S - 1 tokens into a cache of S, then one
+    step at the last position, as generate runs them."""
+    tokens_S = (jnp.arange(S) * 7 + 3) % model.embeddings().embed.shape[0]
+    want_SV = model(tokens_S)
+    x_SD, cache = extend(model, empty_cache(model, S), tokens_S.at[-1].set(0), 0)
+    x_1D, _ = extend(model, cache, tokens_S[-1:], S - 1)
+    got_SV = jnp.concatenate([model.logits(x_SD[:-1]), model.logits(x_1D)])
+    norm_S = jnp.linalg.norm(want_SV, axis=-1)
+    return jnp.max(jnp.linalg.norm(got_SV - want_SV, axis=-1) / (norm_S + 1e-30))
+
+
+def check_cache(model: GPT, S: int) -> None:
+    """A UsageError unless decoding with a cache of S gives the model's own logits: an edit of
+    model.py that the cached path does not follow (a mask made where attend's mask_TS is None:
+    decoding passes its own; learned positions that ignore hidden's start) would sample another
+    model than the one trained. The check runs one sequence of S tokens."""
+    error = float(cache_error(model, S))
+    if not error <= TOLERANCE[model.dtype]:
+        raise UsageError(f"decoding with a KV cache does not give the model's own logits (they "
+                         f"differ by {error:.3g} relative over {S} tokens): an edit of model.py "
+                         "reaches its forward but not GPT.hidden with a cache (a mask made where "
+                         "attend's mask_TS is None, positions that ignore start); make both follow it")
 
 
 def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: int,
@@ -121,7 +151,12 @@ def preview(model: GPT, cfg: Config, prompt: list[int], decode: Callable, n_voca
             n: int = 128) -> str:
     """One short sample for the training log (train.py writes one at each evaluation): the prompt
     and n tokens at temperature 1, drawn with the same key every time, so successive ones show what
-    training changed. decode: the run's tokenizer, loaded once by train.py."""
+    training changed. decode: the run's tokenizer, loaded once by train.py. A model whose cached
+    decoding is not its forward (check_cache) gets the reason instead: training goes on."""
+    try:
+        check_cache(model, cfg.block_size)
+    except UsageError as e:
+        return f"(no sample: {e})"
     prompt_S = prompt_window(prompt, cfg.block_size)
     tokens_1N = generate(model, prompt_S, jax.random.key(cfg.seed), jnp.float32(1.0),
                          num_samples=1, max_new_tokens=n, n_vocab=n_vocab)

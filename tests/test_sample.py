@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import data
+import model as M
 import sample
 from inference import decode
 import train
@@ -247,3 +248,41 @@ def test_bad_input_is_one_line(run_dir, tmp_path):
 def test_a_missing_step_is_one_line_on_stderr_without_orbax_warnings(run_dir):
     r = run_process(["sample.py", f"--rundir={run_dir}", "--step=7"])
     assert r.returncode == 1 and r.stderr == f"error: --step=7: {run_dir} has checkpoints of steps 5, 10 only\n", r.stderr
+
+
+def window_in_the_default_mask(monkeypatch):
+    """A sliding window (the last 12 keys) written where model.attend makes its causal mask: the
+    full forward takes it, decoding passes its own mask and would not."""
+    plain = M.attend
+
+    def attend(q_THK, k_SGK, v_SGK, scale, mask_TS=None, bias_HTS=None):
+        if mask_TS is None:
+            back_TS = jnp.arange(q_THK.shape[0])[:, None] - jnp.arange(k_SGK.shape[0])
+            mask_TS = (back_TS >= 0) & (back_TS < 12)
+        return plain(q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
+    monkeypatch.setattr(M, "attend", attend)
+
+
+def positions_without_start(monkeypatch):
+    """Learned absolute positions added in GPT.embed, which knows no start: each decoding step's
+    token would get position 0's vector."""
+    plain = M.GPT.embed
+    table_TD = jax.random.normal(jax.random.key(3), (16, 32))
+    monkeypatch.setattr(M.GPT, "embed", lambda self, tokens_T: plain(self, tokens_T)
+                        + table_TD[:tokens_T.shape[0]])
+
+
+@pytest.mark.parametrize("edit", [window_in_the_default_mask, positions_without_start],
+                         ids=["window-in-attend", "positions-in-embed"])
+def test_an_edit_decoding_does_not_follow_is_refused(run_dir, monkeypatch, capsys, edit):
+    """Two edits of model.py that training and the full forward take and KV-cache decoding does
+    not: sample.py refuses in one line (it sampled another model than the trained one, silently);
+    training's preview writes the reason instead of a sample, and training goes on."""
+    edit(monkeypatch)
+    line = error_line([f"--rundir={run_dir}", "--max_new_tokens=10"])
+    assert line.startswith("error: decoding with a KV cache does not give the model's own logits "
+                           "(they differ by "), line
+    assert capsys.readouterr().out == ""
+    model = random_gpt(tiny())
+    text = decode.preview(model, tiny(), [1, 2, 3], lambda t: "".join(map(str, t)), N_VOCAB)
+    assert text.startswith("(no sample: decoding with a KV cache does not give"), text

@@ -99,7 +99,7 @@ def kernels_in(gpt) -> dict[str, str]:
 
     attn, mlp = gpt.blocks.attn, gpt.blocks.mlp
     fast = {"attend": attn.fast_attend, "qk_norm_rope": attn.fast_qk_norm_rope,
-            "gelu": mlp.fast_gelu}
+            "gelu": mlp.fast_gelu, "cross_entropy": gpt.fast_cross_entropy}
     what = {path.fn: path.what for path in fast_paths.FAST_PATHS}
     return {name: what.get(fn, "?") for name, fn in fast.items() if fn}
 
@@ -197,7 +197,8 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
         from tools.bench_torch import torch_step
 
         # alternating blocks, so that the machine's drift over the run hits both alike
-        torch_fn, blocks, jax_s, torch_s = torch_step(cfg), min(TORCH_BLOCKS, steps), [], []
+        torch_fn, blocks = torch_step(cfg, s.model), min(TORCH_BLOCKS, steps)
+        jax_s, torch_s = [], []
         for b in range(blocks):
             n = steps // blocks + (b < steps % blocks)
             # one untimed step of each first, so that the other framework's threads settle

@@ -105,3 +105,21 @@ def test_the_gpu_memory_fraction_defaults_to_0_9_unless_given(monkeypatch, comma
     with pytest.raises(SystemExit, match="batch_size=7 is not divisible"):
         (launch if command == "launch" else bench).main()
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == (given or "0.9")
+
+
+def test_bench_torch_refuses_a_model_that_is_not_its_baseline():
+    """tools/bench_torch.py is a fixed GPT: it takes the model bench.py times only when their
+    parameters match (the plain config), and refuses one model.py's edits made another (here tied
+    embeddings: one matrix fewer) rather than time two different models side by side."""
+    pytest.importorskip("torch")
+    from conftest import tiny
+    from test_model import random_gpt
+    from run.errors import UsageError
+    from tools.bench_torch import torch_step
+
+    cfg = tiny(n_layer=1)
+    torch_step(cfg, random_gpt(cfg))
+    tied = tiny(n_layer=1, tie_embeddings=True)
+    with pytest.raises(UsageError, match=r"^--torch times tools/bench_torch.py's fixed GPT \(.* "
+                                         r"parameters\), not this model"):
+        torch_step(tied, random_gpt(tied))

@@ -6,10 +6,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from configs import Config
+from run.errors import UsageError
 
 
-def torch_step(cfg: Config):
-    """A function that runs one train step on random tokens, already warmed up."""
+def torch_step(cfg: Config, model=None):
+    """A function that runs one train step on random tokens, already warmed up. model: the JAX
+    model bench.py times; one whose parameters are not these (model.py edited: a SwiGLU gate, say)
+    is refused, since the two would not be the same model."""
     B, T, D, H, K = cfg.batch_size, cfg.block_size, cfg.d_model, cfg.n_head, cfg.head_dim
     V = cfg.model_vocab
     freq = cfg.rope_base ** (-torch.arange(K // 2) / (K // 2))
@@ -39,6 +42,16 @@ def torch_step(cfg: Config):
     blocks = nn.ModuleList(Block() for _ in range(cfg.n_layer))
     unembed = nn.Linear(D, V, bias=False)
     params = [*embed.parameters(), *blocks.parameters(), *unembed.parameters()]
+    if model is not None:
+        import equinox as eqx
+        import jax
+
+        ours = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+        theirs = sum(p.numel() for p in params)
+        if ours != theirs:
+            raise UsageError(f"--torch times tools/bench_torch.py's fixed GPT ({theirs:,} "
+                             f"parameters), not this model ({ours:,}): model.py was edited; "
+                             "drop --torch or make the same edit there")
     opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2),
                             weight_decay=0.1)
     x, y = torch.randint(0, cfg.vocab_size, (B, T)), torch.randint(0, cfg.vocab_size, (B, T))

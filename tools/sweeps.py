@@ -150,7 +150,7 @@ def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int,
 
         start = (eqx.combine(arrays, static), s.opt_state)
         (gpt, _), losses = jax.lax.scan(one_step, start, (x_SGBT, y_SGBT))
-        loss = lambda x_BT, y_BT: train.objective(gpt, x_BT, y_BT, cfg)
+        loss = lambda x_BT, y_BT: train.loss_fn(gpt, x_BT, y_BT, cfg)[1]  # the cross-entropy
         return losses, jax.vmap(loss)(x_EBT, y_EBT).mean()
 
     over_seeds = jax.vmap(run, in_axes=(None, 0, 0, 0))

@@ -159,7 +159,8 @@ def check_loss_is_logits(cfg: Config, fast: dict[str, Callable]) -> None:
         return gpt.loss(x_TD, y_T), jax.nn.logsumexp(logits_TV, axis=-1) - label_T
 
     for scale in SCALES:  # the parameters' (the stream is normed before the readout)
-        error = whole_relative_error(*both(scale))
+        with jax.ensure_compile_time_eval():  # values, even where setup is traced (tools/sweeps)
+            error = whole_relative_error(*both(scale))
         if not error <= TOLERANCE[cfg.compute_dtype]:
             raise UsageError(f"model.GPT.loss is not the cross-entropy of model.GPT.logits (they "
                              f"differ by {error:.3g} relative): an edit reached one of them "

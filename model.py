@@ -318,8 +318,8 @@ class GPT(eqx.Module):
     @jax.named_scope("readout")
     def loss(self, x_TD: Array, y_T: Int[Array, "T"]) -> Float[Array, "T"]:
         """Each position's cross-entropy of its next token y_T from the stream: train.py's loss.
-        A second copy of the readout (the fused one never makes the float32 logits): a run whose
-        loss is not the cross-entropy of logits is refused (fast_paths.check_loss_is_logits)."""
+        A second path to the readout (the fused one never makes the float32 logits): a change
+        to the logits goes in readout, which both read (fast_paths.check_one_readout)."""
         cross_entropy_fn = self.fast_cross_entropy or cross_entropy
         return cross_entropy_fn(*self.readout_inputs(x_TD), self.readout_mult, y_T)
 

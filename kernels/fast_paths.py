@@ -127,7 +127,7 @@ def select(cfg: Config, mesh: jax.sharding.Mesh | None = None, loss: Callable | 
         say("kernels: fused, each checked where the model calls it: "
             + ", ".join(f"model.{name} as {path.what}" for name, path in chosen.items()))
     fast = {name: path.fn for name, path in chosen.items()}
-    check_loss_is_logits(cfg, fast)
+    check_one_readout(cfg, fast)
     return fast
 
 
@@ -138,12 +138,12 @@ def spread(shape: tuple, dtype, seed: int) -> jax.Array:
     return (2 * jnp.cos(i * 2.399963 + seed)).reshape(shape).astype(dtype)
 
 
-def check_loss_is_logits(cfg: Config, fast: dict[str, Callable]) -> None:
-    """GPT.loss (what training runs and logs; the fused cross-entropy where chosen) against the
-    cross-entropy of GPT.logits (what sampling, eval.py and the export compute), on a random
-    readout of the run's shapes and a few positions: two copies of the readout, so an edit to one
-    (a soft-cap in GPT.logits) would train one model and sample another. A UsageError if they
-    differ beyond the dtype's rounding."""
+def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
+    """GPT.logits (what sampling, eval.py and the export read) against model.readout of
+    GPT.readout_inputs, which GPT.loss reads through model.cross_entropy (training's loss, and the
+    fused one is checked against it): on a random readout of the run's shapes at each of SCALES.
+    An edit in GPT.logits alone (a final soft-cap) would train one model and sample another: a
+    UsageError. Edits of model.cross_entropy (label smoothing, a z-loss) are the loss's own."""
     shapes = eqx.filter_eval_shape(model.GPT, cfg, fast)
     params, static = eqx.partition(shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     T, dtype = min(cfg.block_size, 8), jnp.dtype(cfg.compute_dtype)
@@ -153,18 +153,17 @@ def check_loss_is_logits(cfg: Config, fast: dict[str, Callable]) -> None:
         leaves, tree = jax.tree.flatten(params)
         drawn = [scale * spread(x.shape, x.dtype, i) for i, x in enumerate(leaves)]
         gpt = eqx.combine(jax.tree.unflatten(tree, drawn), static)
-        x_TD, y_T = spread((T, cfg.d_model), dtype, -1), jnp.arange(T) * 7 % cfg.vocab_size
-        logits_TV = gpt.logits(x_TD)
-        label_T = jnp.take_along_axis(logits_TV, y_T[:, None], axis=-1)[:, 0]
-        return gpt.loss(x_TD, y_T), jax.nn.logsumexp(logits_TV, axis=-1) - label_T
+        x_TD = spread((T, cfg.d_model), dtype, -1)
+        return gpt.logits(x_TD), model.readout(*gpt.readout_inputs(x_TD), gpt.readout_mult)
 
     for scale in SCALES:  # the parameters' (the stream is normed before the readout)
         with jax.ensure_compile_time_eval():  # values, even where setup is traced (tools/sweeps)
-            error = whole_relative_error(*both(scale))
+            error = relative_error(*both(scale))
         if not error <= TOLERANCE[cfg.compute_dtype]:
-            raise UsageError(f"model.GPT.loss is not the cross-entropy of model.GPT.logits (they "
-                             f"differ by {error:.3g} relative): an edit reached one of them "
-                             "only; make it in both, or in the functions both call (readout)")
+            raise UsageError(f"model.GPT.logits is not model.readout, which training's loss reads "
+                             f"(they differ by {error:.3g} relative): an edit in GPT.logits "
+                             "reaches sampling, eval.py and the export but not training; make it "
+                             "in model.readout")
 
 
 class Drawn:

@@ -295,17 +295,20 @@ def test_the_fast_paths_take_a_chunked_loss(monkeypatch, capsys):
 def test_an_edit_that_reaches_the_logits_but_not_the_loss_is_refused(monkeypatch):
     """A final soft-cap written in GPT.logits reaches sampling, eval.py and the export but not
     GPT.loss, which training runs and logs: the run is refused in one line before it starts.
-    The same cap in model.readout, which both call, trains."""
+    The same cap in model.readout, which both read, trains; so does a z-loss in
+    model.cross_entropy (the loss's own edit)."""
     import train
     from run.errors import UsageError
     cap = lambda x: 30 * jnp.tanh(x / 30)  # noqa: E731
     plain_logits, plain_readout, cfg = M.GPT.logits, M.readout, tiny()
     monkeypatch.setattr(M.GPT, "logits", lambda self, x_TD: cap(plain_logits(self, x_TD)))
-    with pytest.raises(UsageError, match=r"^model.GPT.loss is not the cross-entropy of "
-                                         r"model.GPT.logits \(they differ by .* relative\)"):
+    with pytest.raises(UsageError, match=r"^model.GPT.logits is not model.readout, which "
+                                         r"training's loss reads \(they differ by .* relative\)"):
         train.setup(cfg, train.make_mesh(cfg))
     monkeypatch.setattr(M.GPT, "logits", plain_logits)
     monkeypatch.setattr(M, "readout", lambda h, w, mult: cap(plain_readout(h, w, mult)))
+    train.setup(cfg, train.make_mesh(cfg))
+    monkeypatch.setattr(M, "cross_entropy", z_loss(1e-4)[1])
     train.setup(cfg, train.make_mesh(cfg))
 
 

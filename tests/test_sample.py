@@ -279,6 +279,7 @@ def test_an_edit_decoding_does_not_follow_is_refused(run_dir, monkeypatch, capsy
     not: sample.py refuses in one line (it sampled another model than the trained one, silently);
     training's preview writes the reason instead of a sample, and training goes on."""
     edit(monkeypatch)
+    jax.clear_caches()  # compiled before the edit (filter_jit's key is the model's structure)
     line = error_line([f"--rundir={run_dir}", "--max_new_tokens=10"])
     assert line.startswith("error: decoding with a KV cache does not give the model's own logits "
                            "(they differ by "), line

@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> None:
                 if done is not None and not args.debug and jax.process_index() == 0:
                     print(f"done: the checkpoints are in {rundir / 'checkpoints'}; read the run "
                           f"with python sample.py --rundir={rundir}")
-            except (UsageError, RunError):  # refused before its first step: the run as it was
+            # refused before its first step, or stopped there by any other error (a bug's
+            # traceback too): the run as it was, not a config.json that says what never ran
+            except BaseException:
                 if undo and not began:
                     undo()
                 raise

@@ -206,10 +206,9 @@ class NothingToResume(RunError):
 def say_dropped(rundir: epath.Path, start: int) -> None:
     """The metrics.jsonl lines that run/metrics.py's Logger drops at this start (logged after the
     checkpoint: the run logs those steps again), said in one line: none goes silently."""
-    from run.metrics import logged_step
+    from run.metrics import logged_step, read_lines
 
-    path = rundir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
+    lines = read_lines(rundir / "metrics.jsonl")
     if dropped := sum(not 0 <= logged_step(line) <= start for line in lines):
         print(f"note: metrics.jsonl: {dropped} line(s) after step {start} (or unreadable) are "
               f"dropped: they came after the checkpoint, and the run logs those steps again",

@@ -15,7 +15,7 @@ import pytest
 from etils import epath
 
 import train
-from run.checkpoint import checkpoint_manager, resume, save_checkpoint
+from run.checkpoint import checkpoint_manager, resume, save_checkpoint, say_dropped
 from run.errors import UsageError
 from conftest import tiny
 from run.metrics import Logger
@@ -349,14 +349,18 @@ def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, en
     assert committed_steps(rundir) == [STEPS // 2, STEPS]
 
 
-def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path):
+def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path, capsys):
     """After a power loss a filesystem may keep an appended line's length but not its bytes (zeros);
-    a resume at step 20 drops it and any other line that is not a record, keeping the steps up to
-    20 once each; a whole record that lost only its newline is a record (as say_dropped counts)."""
+    a resume at step 20 drops it and any other line that is not a record (a step that is no
+    integer: Infinity stopped the launch with an OverflowError, 3.5 read as step 3), keeping the
+    steps up to 20 once each; a whole record that lost only its newline is a record (as
+    say_dropped counts)."""
     path = tmp_path / "metrics.jsonl"
     lines = ['{"step": 10, "loss": 1.0}', "\0" * 25, '{"step": 20, "loss": 2.0}', "[]",
-             '{"step": 30, "loss": 3.0}']
+             '{"step": Infinity}', '{"step": 3.5}', '{"step": "4"}', '{"step": 30, "loss": 3.0}']
     path.write_text("".join(line + "\n" for line in lines))
+    say_dropped(epath.Path(tmp_path), 20)
+    assert "note: metrics.jsonl: 6 line(s) after step 20 (or unreadable)" in capsys.readouterr().err
     cut = tmp_path / "cut"
     cut.mkdir()
     (cut / "metrics.jsonl").write_text(lines[0] + "\n" + lines[2])  # no newline at its end
@@ -368,6 +372,20 @@ def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path):
     logger.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": 10, "loss": 1.0}, {"step": 20, "loss": 2.0}, {"step": 30, "loss": 4.0}]
+
+
+def test_metrics_jsonl_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    """Bytes no kill or crash leaves: refused naming the file and line (a resume said "reading the
+    checkpoints failed"), by the resume's note and by the Logger alike; the file as it was."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 10, "loss": 1.0}\n{"step": 20, "note": "\xff"}\n')
+    before = path.read_bytes()
+    message = f"^{path}, line 2: not UTF-8 text, so not a record mugpt wrote: delete that line"
+    with pytest.raises(UsageError, match=message):
+        say_dropped(epath.Path(tmp_path), 20)
+    with pytest.raises(UsageError, match=message):
+        Logger(epath.Path(tmp_path), 20)
+    assert path.read_bytes() == before
 
 
 TOOLS = {  # each command that reads a run directory, as a user runs it

@@ -276,3 +276,19 @@ def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):
     assert "mfu" not in tags  # a CPU has no datasheet peak: no made-up MFU
     assert [e.step for e in acc.Scalars("loss/val")] == [0, 15, 30]
     assert acc.Scalars("loss/val")[-1].value == pytest.approx(evals[-1]["val_loss"], rel=1e-6)
+
+
+def test_any_error_before_the_first_step_undoes_the_launch(shakespeare, tmp_path):
+    """Not only a refusal (UsageError, RunError): an error of any kind before the first step (here
+    a bug, raised where train.train would start) leaves no config.json that says what never ran;
+    its traceback still shows."""
+    from conftest import TINY_RUN
+    rundir = tmp_path / "run"
+    code = ("import launch, train\n"
+            "def bug(*args, **kwargs):\n    raise OverflowError('a bug')\n"
+            "train.train = bug\n"
+            f"launch.main({[*TINY_RUN, f'--rundir={rundir}']!r})\n")
+    r = run(["-c", code])
+    assert r.returncode != 0 and r.stderr.strip().endswith("OverflowError: a bug"), r.stderr
+    assert rundir.is_dir() and not {"config.json", "run.json", "dataset.json"} & {
+        p.name for p in rundir.iterdir()}

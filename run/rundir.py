@@ -167,12 +167,18 @@ def check_space(rundir: epath.Path, cfg: Config) -> None:
 
 def check_no_orphans(rundir: epath.Path) -> None:
     """A folder without config.json but with a run's checkpoints is a run that lost its record:
-    taken as a new run, its checkpoints would be resumed under whatever config is given now."""
+    taken as a new run, its checkpoints would be resumed under whatever config is given now. One
+    with a run's other files (a run's, or files of that name from elsewhere) would have them
+    replaced."""
     from run import checkpoint, written
 
     if checkpoint.saved_steps(rundir) or (rundir / written.SAVED).exists():
         raise UsageError(f"{rundir} holds a run's checkpoints but no config.json: restore its "
                          f"config.json (the run's settings), or pass another --rundir")
+    if held := [n for n in ("run.json", "dataset.json", "metrics.jsonl") if (rundir / n).exists()]:
+        raise UsageError(f"{rundir} holds {', '.join(held)} but no config.json: a new run would "
+                         f"replace them; restore its config.json (the run's settings), or pass "
+                         f"another --rundir")
 
 
 def set_aside(rundir: epath.Path) -> list[tuple[str, str]]:

@@ -292,3 +292,20 @@ def test_any_error_before_the_first_step_undoes_the_launch(shakespeare, tmp_path
     assert r.returncode != 0 and r.stderr.strip().endswith("OverflowError: a bug"), r.stderr
     assert rundir.is_dir() and not {"config.json", "run.json", "dataset.json"} & {
         p.name for p in rundir.iterdir()}
+
+
+@pytest.mark.parametrize("name", ["run.json", "dataset.json", "metrics.jsonl"])
+def test_a_folder_with_a_runs_files_but_no_config_json_is_not_overwritten(shakespeare, tmp_path,
+                                                                         name):
+    """A run that lost its config.json, or someone's files of those names: a new run there
+    replaced them and exited 0."""
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    (rundir / name).write_text("not mugpt's\n")
+    from conftest import TINY_RUN
+    r = run(["launch.py", *TINY_RUN, "--config.max_steps=1", f"--rundir={rundir}"])
+    assert r.returncode == 1 and r.stderr == (
+        f"error: {rundir} holds {name} but no config.json: a new run would replace them; restore "
+        f"its config.json (the run's settings), or pass another --rundir\n"), r.stderr
+    assert sorted(p.name for p in rundir.iterdir()) == [name]
+    assert (rundir / name).read_text() == "not mugpt's\n"

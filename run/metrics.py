@@ -26,11 +26,13 @@ class Logger:
     run)."""
 
     def __init__(self, rundir: epath.Path, start: int, wandb_project: str = "",
-                 config: dict | None = None):
+                 config: dict | None = None, writes: bool = True):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        if jax.process_index() != 0:  # process 0 alone writes; elsewhere every method does nothing
+        # process 0 alone writes, and not under --debug (writes False: its steps are a profile, no
+        # part of the run); elsewhere every method does nothing
+        if jax.process_index() != 0 or not writes:
             self.log = self.text = self.close = lambda *args: None
             return
         # wandb first: a login or network it lacks stops the launch before any file is touched

@@ -101,8 +101,8 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
     for this launch, and a function that puts back the files it wrote as they were (train.py may
     still refuse the run: launch.py calls it then). One that holds a run is resumed; if it cannot
     be, nothing is written. restart: a run whose checkpoints are all lost trains from step 0, its
-    logs and record of checkpoints kept aside. saves False (--debug): no room is needed for a
-    checkpoint."""
+    logs and record of checkpoints kept aside. saves False (--debug): checked as a launch is, but
+    only the lock is written, and no room is needed for a checkpoint."""
     import data  # not at the top: it loads numpy, and a typo should not wait for that
     rundir = epath.Path(path or f"runs/{config_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -120,11 +120,14 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
         before = {n: (rundir / n).read_bytes() if (rundir / n).exists() else None for n in names}
         rundir.mkdir(parents=True, exist_ok=True)
         lock_rundir(rundir)
-        renamed = set_aside(rundir) if restart else []
-        (rundir / "dataset.json").write_text(json.dumps(meta, indent=1))
-        (rundir / "run.json").write_text(json.dumps(run, indent=1))
-        config = json.dumps(dataclasses.asdict(cfg), indent=1)
-        (rundir / "config.json").write_text(config)  # last: it marks a run
+        # --debug's few steps are a profile, no part of the run: its files stay as they were (a
+        # new folder's config.json would fix the config of the run trained there next)
+        renamed = set_aside(rundir) if restart and saves else []
+        if saves:
+            (rundir / "dataset.json").write_text(json.dumps(meta, indent=1))
+            (rundir / "run.json").write_text(json.dumps(run, indent=1))
+            config = json.dumps(dataclasses.asdict(cfg), indent=1)
+            (rundir / "config.json").write_text(config)  # last: it marks a run
     except OSError as e:
         raise UsageError(f"cannot write the run directory {rundir}: {e.strerror or e}") from None
     except ImportError as e:  # epath reaches gs:// through fsspec, which needs gcsfs for it

@@ -116,8 +116,17 @@ def malformed_record(ckpt):
     return "its written.json is unreadable (not {file: [size, CRC32]})"
 
 
+def malformed_step_metadata(ckpt):
+    """orbax's own metadata of the step (handlers, commit time: not in the record, orbax writes it
+    after), JSON of another shape: the manager read it for every step when it started, and stopped
+    every resume with one line and no fallback."""
+    (ckpt / "_CHECKPOINT_METADATA").write_text("[]")
+    return "its _CHECKPOINT_METADATA is not orbax's metadata of a step"
+
+
 @pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, flip_reads_finite,
-                                       flip_reads_nonfinite, delete_record, malformed_record])
+                                       flip_reads_nonfinite, delete_record, malformed_record,
+                                       malformed_step_metadata])
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_one(
         straight, tmp_path, env, damage_it):
     """The straight run's directory with its last checkpoint damaged, and the same command again:
@@ -347,6 +356,29 @@ def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, en
     assert_one_line_error(r, f"the checkpoint of step {STEPS} is damaged: {expected}")
     assert r.stderr.strip().endswith(f"were written (pass --step=: there are also {STEPS // 2})")
     assert committed_steps(rundir) == [STEPS // 2, STEPS]
+
+
+def test_malformed_step_metadata_leaves_the_other_checkpoints_readable(straight, tmp_path, env):
+    """orbax's metadata of one step malformed (the types wrong): sample.py of that step is one line
+    naming the others, sample.py --step= of an intact one samples (it was a traceback), and a
+    resume sets the malformed one aside even when it is older than the one it resumes from."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    malformed = {"item_handlers": 3, "metrics": [], "init_timestamp_nsecs": "x"}
+    metadata = rundir / "checkpoints" / str(STEPS) / "_CHECKPOINT_METADATA"
+    metadata.write_text(json.dumps(malformed))
+    r = run(TOOLS["sample"](rundir, None), env)
+    assert_one_line_error(r, f"the checkpoint of step {STEPS} is damaged: its _CHECKPOINT_METADATA")
+    assert r.stderr.strip().endswith(f"(pass --step=: there are also {STEPS // 2})")
+    r = run([*TOOLS["sample"](rundir, None), f"--step={STEPS // 2}"], env)
+    assert r.returncode == 0 and f"{rundir} step {STEPS // 2}: " in r.stdout, r.stderr
+    shutil.rmtree(rundir)
+    shutil.copytree(straight[0], rundir)
+    (rundir / "checkpoints" / str(STEPS // 2) / "_CHECKPOINT_METADATA").write_text("[]")
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS + 4}"), env)
+    assert f"resuming from the checkpoint of step {STEPS}" in r.stdout, r.stderr
+    assert f"warning: the checkpoint of step {STEPS // 2} is damaged: its _CHECKPOINT_METADATA" \
+           in r.stderr and (rundir / "checkpoints" / f"{STEPS // 2}.damaged").is_dir()
 
 
 def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path, capsys):

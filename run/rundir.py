@@ -71,8 +71,8 @@ def resume_config(path: str, overrides: list[str]) -> tuple[str, Config]:
     if not path or not (rundir / "config.json").exists():
         where = f": {rundir} holds no run to resume (no config.json)" if path else ""
         raise UsageError(f"--config is needed{where}; one of: {', '.join(configs.available())}")
-    fixed = sorted({o.split("=")[0].removeprefix("--config.") for o in overrides} -
-                   set(configs.RESUMABLE))
+    # a flag misspelled (--max_steps=, --config.max_step=) is named as such, not "cannot change"
+    fixed = sorted({configs.override_field(o) for o in overrides} - set(configs.RESUMABLE))
     if fixed:
         raise UsageError(f"{rundir} resumes as its config.json says: {', '.join(fixed)} cannot "
                          f"change (resuming may change only {', '.join(configs.RESUMABLE)})")
@@ -256,6 +256,9 @@ def check_dataset(rundir: epath.Path, meta: dict, where) -> None:
     path = rundir / "dataset.json"
     # compared once the run has saved a step: a launch that failed before may bring a new one
     old = read_json(path) if saved_steps(rundir) else meta
+    if not old and path.exists():  # emptied ({}): the check would pass whatever the dataset
+        raise UsageError(f"{path} is empty, not the record of the dataset {rundir} trained on: "
+                         f"restore it, or delete it (a new one is written)")
     if old and old != meta:
         key = next(k for k in sorted(old.keys() | meta.keys()) if old.get(k) != meta.get(k))
         was, now = str(old.get(key))[:30], str(meta.get(key))[:30]

@@ -450,9 +450,15 @@ def no_heads(path):
     return f"{path}: n_head=0 must be at least 1; restore it or pass a new --rundir"
 
 
+def list_value(path):
+    """A list where a number belongs (hand-edited): a TypeError in Config.check."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), "learning_rate": [0.002]}))
+    return f"{path}: learning_rate=[0.002] must be a number; restore it or pass a new --rundir"
+
+
 @pytest.mark.parametrize("tool,fault", [(t, cut_short) for t in TOOLS] + [
     ("launch", null), ("sample", null), ("launch --config", unknown_field), ("sample", no_heads),
-    ("export", no_heads)])
+    ("export", no_heads), ("launch", list_value), ("sample", list_value)])
 def test_a_bad_config_json_is_one_line_in_each_tool_and_nothing_is_written(
         straight, tmp_path, env, tool, fault):
     """config.json cut short, null, or with a field this code does not know: each command says so
@@ -477,6 +483,12 @@ def bad_dataset_json(rundir):
     return f"{rundir / 'dataset.json'} is not a JSON object"
 
 
+def emptied_dataset_json(rundir):
+    """{}: the resume's check of the dataset passed whatever the dataset, and wrote a new one."""
+    (rundir / "dataset.json").write_text("{}")
+    return f"{rundir / 'dataset.json'} is empty, not the record of the dataset {rundir} trained on"
+
+
 def bad_tokenizer(rundir):
     meta = json.loads((rundir / "dataset.json").read_text())
     meta["tokenizer"] = {"kind": "hf", "json": '{"version": "1.0", "model": '}
@@ -486,6 +498,7 @@ def bad_tokenizer(rundir):
 
 @pytest.mark.parametrize("tool,fault", [("launch", bad_run_json), ("sample", bad_dataset_json),
                                         ("launch --config", bad_dataset_json),
+                                        ("launch --config", emptied_dataset_json),
                                         ("eval", bad_tokenizer), ("export", bad_tokenizer)])
 def test_a_bad_run_record_is_one_line_naming_the_file(straight, tmp_path, env, tool, fault):
     rundir = tmp_path / "run"

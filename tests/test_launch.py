@@ -89,6 +89,7 @@ def test_bad_values_name_the_field(field, value, message):
     ("learning_rate", "1e-3", "learning_rate='1e-3' must be a number"),
     ("min_lr", None, "min_lr=None must be a number"),
     ("dataset", 3, "dataset=3 must be a string"),
+    ("learning_rate", [1e-3], "learning_rate=[0.001] must be a number"),  # a TypeError in check
 ])
 def test_a_config_module_value_of_the_wrong_type_is_refused(field, value, message):
     """A config module sets fields in Python, past the command line's parsing: Config checks each
@@ -243,6 +244,13 @@ def test_a_resume_with_another_config_names_every_field_that_differs(shakespeare
              "--config.seed=1"])
     assert r.returncode == 1 and r.stderr.startswith(
         f"error: {rundir} resumes as its config.json says: n_layer, seed cannot change"), r.stderr
+    # a misspelled flag is named as a new run names it (it was "cannot change")
+    for arg, message in [("--max_steps=2", "unrecognised argument '--max_steps=2' (see --help); "
+                                           "overrides look like --config.FIELD=VALUE"),
+                         ("--config.max_step=2", "unknown config field 'max_step'; did you mean "
+                                                 "max_steps")]:
+        r = run(["launch.py", f"--rundir={rundir}", arg])
+        assert r.returncode == 1 and r.stderr.startswith(f"error: {message}"), r.stderr
     assert {p.name: p.read_bytes() for p in rundir.iterdir() if p.is_file()} == files
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from text import corpus
 from text import tokenization
 from configs import Config
-from run.errors import UsageError
+from run.errors import ArgumentParser, UsageError
 
 ROOT = Path(__file__).resolve().parent
 SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
@@ -207,7 +207,7 @@ def check_name(name: str) -> None:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", help="dataset name: the folder under data/ "
                                  "(shakespeare_char, openwebtext, ...)")

@@ -168,6 +168,18 @@ def check_space(rundir: epath.Path, cfg: Config) -> None:
                          f"{free:,} are free: free some, or pass another --rundir")
 
 
+def check_writable(flag: str, path: str) -> None:
+    """A folder a command writes after minutes of work (bench.py's --checkpoint and --rundir),
+    checked first: the nearest part of its path that exists must be a folder this user can write
+    in (a file there was a NotADirectoryError traceback at the end)."""
+    where = Path(path).absolute()
+    while not where.exists():
+        where = where.parent
+    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}={path}: {where} is not a folder this user can write in; name "
+                         f"another {flag}")
+
+
 def check_no_orphans(rundir: epath.Path) -> None:
     """A folder without config.json but with a run's checkpoints is a run that lost its record:
     taken as a new run, its checkpoints would be resumed under whatever config is given now. One

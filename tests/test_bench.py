@@ -105,3 +105,19 @@ def test_the_gpu_memory_fraction_defaults_to_0_9_unless_given(monkeypatch, comma
     with pytest.raises(SystemExit, match="batch_size=7 is not divisible"):
         (launch if command == "launch" else bench).main()
     assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == (given or "0.9")
+
+
+def test_bench_refuses_a_folder_it_cannot_write_before_timing(tmp_path):
+    """--checkpoint and --time-to's --rundir are written at the end: a file in the way was a
+    NotADirectoryError traceback after the timing. --rundir without --time-to was ignored."""
+    (tmp_path / "file").write_text("")
+    where = f"{tmp_path / 'file'} is not a folder this user can write in"
+    for args, error in [([f"--checkpoint={tmp_path / 'file' / 'ck'}"],
+                         f"--checkpoint={tmp_path / 'file' / 'ck'}: {where}; name another"),
+                        (["--time-to=3", f"--rundir={tmp_path / 'file'}"],
+                         f"--rundir={tmp_path / 'file'}: {where}; name another --rundir"),
+                        ([f"--rundir={tmp_path / 'run'}"],
+                         "--rundir is --time-to's run directory: add --time-to=LOSS or drop it")]:
+        r = run(["bench.py", *TINY, "--steps=1", "--config.max_steps=1", *args])
+        assert r.returncode == 1 and r.stderr.startswith(f"error: {error}"), r.stderr
+        assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()

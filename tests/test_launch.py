@@ -317,3 +317,19 @@ def test_a_folder_with_a_runs_files_but_no_config_json_is_not_overwritten(shakes
         f"its config.json (the run's settings), or pass another --rundir\n"), r.stderr
     assert sorted(p.name for p in rundir.iterdir()) == [name]
     assert (rundir / name).read_text() == "not mugpt's\n"
+
+
+@pytest.mark.parametrize("args", [["launch.py", "--num_processes=x"], ["bench.py", "--steps=x"],
+                                  ["sample.py", "--rundir=r", "--bogus"], ["data.py"],
+                                  ["eval.py", "--rundir=r"],
+                                  ["export.py", "--rundir=r", "--out=o", "--step=x"],
+                                  ["variants.py", "--size=huge"], ["mup.py", "evidence", "--bogus"],
+                                  ["-m", "tools.plots"]])
+def test_argparse_errors_are_one_line_in_each_command(args):
+    """A flag unknown, a value of the wrong type, an argument missing: argparse's own errors were
+    a usage block above the line; one line now (run.errors.ArgumentParser), argparse's exit 2."""
+    r = run(args)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(
+        " (see --help)"), r.stderr

@@ -8,7 +8,6 @@ command. What each flag adds: --help, and README.md's Performance (a trace opens
 profile tab or ui.perfetto.dev). Split a CPU into N devices with
 XLA_FLAGS=--xla_force_host_platform_device_count=N.
 """
-import argparse
 import collections
 import contextlib
 import gzip
@@ -24,7 +23,8 @@ from pathlib import Path
 import configs
 from run.devices import default_memory_fraction
 from configs import Config
-from run.errors import RunError, UsageError
+from run.errors import ArgumentParser, RunError, UsageError
+from run.rundir import check_writable, git_state
 
 # with --torch: JAX and PyTorch are timed in this many alternating blocks, and medians reported
 TORCH_BLOCKS = 6
@@ -195,7 +195,6 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
     _, state = time_calls(s.step, state, (x, y), sharding, 2)
     if with_torch:
         from tools.bench_torch import torch_step
-
         # alternating blocks, so that the machine's drift over the run hits both alike
         torch_fn, blocks = torch_step(cfg, s.model), min(TORCH_BLOCKS, steps)
         jax_s, torch_s = [], []
@@ -249,7 +248,7 @@ def bench(cfg: Config, steps: int, with_torch: bool = False, trace_dir: str | No
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
     ap.add_argument("--steps", type=int, default=20, help="timed steps after compile and warmup")
     ap.add_argument("--torch", action="store_true",
@@ -272,6 +271,11 @@ def main() -> None:
         cfg = configs.apply_overrides(configs.load(args.config), overrides)
         if args.checkpoint and Path(args.checkpoint).exists():
             raise UsageError(f"--checkpoint={args.checkpoint} exists: name a new directory")
+        if args.rundir and args.time_to is None:  # else silently unused
+            raise UsageError("--rundir is --time-to's run directory: add --time-to=LOSS or drop it")
+        for flag in ("--checkpoint", "--rundir"):  # written at the end: refused now, not then
+            if path := getattr(args, flag[2:]):
+                check_writable(flag, path)
         if args.torch and variant(cfg) != variant(configs.Config(n_head=cfg.n_head)):
             raise UsageError("--torch times the plain GPT (mha, rope, residual) only: drop the "
                              "--config.attention/n_kv_head/position/connections overrides")
@@ -281,8 +285,6 @@ def main() -> None:
             except OSError as e:
                 raise UsageError(f"cannot write --trace={args.trace}: {e.strerror or e}") from None
         import train  # after parsing, as launch.py: a typo should not wait for jax to load
-        from run.rundir import git_state
-
         if args.time_to is not None:
             result = time_to(cfg, args.time_to, args.rundir)
         else:

@@ -20,7 +20,7 @@ import numpy as np
 from text import corpus
 from text import tokenization
 from configs import Config
-from run.errors import UsageError
+from run.errors import ArgumentParser, UsageError
 
 ROOT = Path(__file__).resolve().parent
 SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
@@ -194,8 +194,20 @@ def global_batch(tokens: np.ndarray, seed: int, stream: int, step: int, sharding
     return tuple(jax.make_array_from_process_local_data(sharding, a, shape) for a in local)
 
 
+def check_name(name: str) -> None:
+    """NAME is one folder of data/: a path would write elsewhere ("" into data/ itself, ../x beside
+    the repo) or past the guard on the fixed shakespeare_char (shakespeare_char/, or
+    Shakespeare_Char, the same folder on a case-insensitive disk: macOS's, Windows')."""
+    if name in ("", ".", "..") or "/" in name or os.sep in name or (os.altsep or "/") in name:
+        raise UsageError(f"dataset name {name!r} is not a folder name: NAME is the dataset's "
+                         f"folder under {Config.data_root}/, without / or .. (mycorpus, say)")
+    if name != "shakespeare_char" and name.strip(" .").casefold() == "shakespeare_char":
+        raise UsageError(f"dataset name {name!r} is the fixed shakespeare_char's folder on some "
+                         f"disks: name your dataset otherwise")
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", help="dataset name: the folder under data/ "
                                  "(shakespeare_char, openwebtext, ...)")
@@ -209,6 +221,7 @@ def main():
     args = ap.parse_args()
     out = ROOT / Config.data_root / args.name
     try:
+        check_name(args.name)
         fixed = (args.source, args.val_fraction is not None, args.tokenizer != "gpt2")
         if args.name == "shakespeare_char" and any(fixed):
             raise UsageError("shakespeare_char is the fixed tiny-shakespeare text (no --source, "

@@ -13,11 +13,11 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from inference.tasks import Tasks
-from run.errors import UsageError
+from run.errors import ArgumentParser, UsageError
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rundir", required=True, help="a run directory written by launch.py")
     ap.add_argument("--tasks", required=True, help="comma-separated task names or .jsonl files")

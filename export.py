@@ -34,7 +34,7 @@ import model as definition
 from run import reading
 from text import tokenization
 from configs import Config
-from run.errors import UsageError
+from run.errors import ArgumentParser, UsageError
 
 ROOT = Path(__file__).resolve().parent
 # The Config fields of the architecture variants (docs/variants.md) and the values
@@ -261,7 +261,7 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rundir", required=True, help="a run directory written by launch.py")
     ap.add_argument("--out", required=True, help="the Hugging Face model directory to write")

@@ -6,7 +6,6 @@ The config is configs/NAME.py with typed overrides from the command line. The ru
 command), dataset.json, metrics.jsonl, tensorboard events, checkpoints/ and checkpoints.json; an
 existing one resumes, as its config.json says unless --config is given.
 """
-import argparse
 import dataclasses
 import os
 import signal
@@ -17,7 +16,7 @@ from etils import epath
 import configs
 from configs import apply_overrides
 from run.devices import default_memory_fraction
-from run.errors import RunError, UsageError
+from run.errors import ArgumentParser, RunError, UsageError
 from run.rundir import open_rundir, resume_config
 
 MULTIHOST = ("coordinator_address", "num_processes", "process_id")  # jax.distributed's arguments
@@ -28,7 +27,7 @@ def parse_args(argv: list[str]):
     epilog = (f"Config fields, each --config.FIELD=VALUE (their defaults and meaning: "
               f"configs/__init__.py): {fields}.\n\nOn TPU VMs and under SLURM, --multihost alone "
               f"will do.")
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=epilog)
+    ap = ArgumentParser(description=__doc__.split("\n")[0], epilog=epilog)
     ap.add_argument("--config", help=f"one of: {', '.join(configs.available())} (to resume a "
                                      f"--rundir: its own)")
     ap.add_argument("--rundir", help="default runs/NAME-TIMESTAMP; an existing one is resumed")
@@ -91,7 +90,9 @@ def main(argv: list[str] | None = None) -> None:
                 if done is not None and not args.debug and jax.process_index() == 0:
                     print(f"done: the checkpoints are in {rundir / 'checkpoints'}; read the run "
                           f"with python sample.py --rundir={rundir}")
-            except (UsageError, RunError):  # refused before its first step: the run as it was
+            # refused before its first step, or stopped there by any other error (a bug's
+            # traceback too): the run as it was, not a config.json that says what never ran
+            except BaseException:
                 if undo and not began:
                     undo()
                 raise

@@ -36,7 +36,7 @@ from tools.sweeps import coord_check, train_runs
 from run import rundir
 import train
 from configs import Config
-from run.errors import RunError, UsageError
+from run.errors import ArgumentParser, RunError, UsageError
 
 # name: (what it measures, the axis it varies, the model). "sp" is SP as people run it, "spmodel"
 # model.py's own param="sp" (muP at the base shape, every multiplier 1 elsewhere: what a user who
@@ -240,7 +240,7 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["evidence"])
     ap.add_argument("--config", default="shakespeare_char_cpu",

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from etils import epath
 
 from inference.decode import check_cache, generate, prompt_window
-from run.errors import UsageError
+from run.errors import ArgumentParser, UsageError
 from run.reading import read_config, read_dataset_record, restore_model, tokenizer
 
 
@@ -37,7 +37,7 @@ def read_prompt(start: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line (default sys.argv's), checked: a bad value is a UsageError."""
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rundir", required=True, help="a run directory written by launch.py")
     ap.add_argument("--step", type=int, help="the checkpoint's step (default: the latest)")
@@ -87,7 +87,6 @@ def main(argv: list[str] | None = None) -> None:
             print(f"note: --context={S} is past block_size={cfg.block_size}: RoPE's positions "
                   f"beyond it were never trained (ALiBi's extrapolate)", file=sys.stderr)
         model, step = restore_model(rundir, cfg, args.step)
-        check_cache(model, S)  # an edit of model.py that decoding does not follow: refused
     except UsageError as e:
         sys.exit(f"error: {e}")
     prompt = prompt[-S:]
@@ -95,10 +94,22 @@ def main(argv: list[str] | None = None) -> None:
               jnp.float32(args.temperature))
     settings = dict(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                     n_vocab=meta["vocab_size"], top_k=args.top_k, top_p=args.top_p)
-    t0 = time.perf_counter()
-    compiled = generate.lower(*inputs, **settings).compile()
-    t1 = time.perf_counter()
-    tokens_BN = jax.device_get(compiled(*inputs, **settings))
+    try:
+        check_cache(model, S)  # an edit of model.py that decoding does not follow: refused
+        t0 = time.perf_counter()
+        compiled = generate.lower(*inputs, **settings).compile()
+        t1 = time.perf_counter()
+        tokens_BN = jax.device_get(compiled(*inputs, **settings))
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+    except jax.errors.JaxRuntimeError as e:  # XLA's out of memory: a traceback
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        # the prompt's window is read in one pass: S x S attention scores a head (a long
+        # --context may be meant: ALiBi extrapolates, so it is not refused before)
+        sys.exit(f"error: out of memory ({str(e).splitlines()[0][:100]}): the prompt is read "
+                 f"in one pass of {S} x {S} attention scores a head: lower --context (the "
+                 f"model's block_size is {cfg.block_size}) or --num_samples")
     t2 = time.perf_counter()
     for tokens_N in tokens_BN:
         print(decode(prompt + tokens_N.tolist()))  # together: a BPE character may span the two

@@ -257,7 +257,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
     schedule = jax.jit(lr_schedule(cfg))  # one compilation, not one per eager op
     peak = (peak_flops(jax.devices()[0]) or 0) * jax.device_count()  # all devices' (0: unknown)
     flops = flops_per_token(model, cfg.block_size)
-    logger = Logger(rundir, start, cfg.wandb_project, dataclasses.asdict(cfg))
+    logger = Logger(rundir, start, cfg.wandb_project, dataclasses.asdict(cfg), writes=not debug)
     say = tqdm.write if jax.process_index() == 0 else lambda text: None  # process 0 alone prints
     mfu_against = f"against {peak:.3g} FLOP/s" if peak else "unknown: no datasheet peak"
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(model, eqx.is_array)))

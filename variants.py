@@ -16,7 +16,6 @@ goes into docs/variants.md (between its markers); the default --out leaves track
 the LR); "gpu" 14M parameters (width 384, 8 layers, 600 steps of 64 x 256 tokens, bfloat16) on
 one GPU; "tiny" a toy size for the CPU test of the whole command.
 """
-import argparse
 import logging
 import json
 import os
@@ -25,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from run.errors import ArgumentParser
 
 ROOT = Path(__file__).resolve().parent
 VARIANTS = {
@@ -148,7 +149,7 @@ def table(results: dict, seeds: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=list(SIZES), default="small")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated seeds")
     ap.add_argument("--steps", type=int, help="a shorter schedule (a smoke test)")

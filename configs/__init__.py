@@ -135,10 +135,11 @@ class Config:
             if typing.get_origin(kind) is Literal and value not in allowed:
                 names = ", ".join(map(repr, allowed))
                 raise UsageError(f"{name}={value!r}: allowed values are {names}")
-            # float is checked loosely: mup.py passes tracers
+            # float is checked loosely, as what converts to one: mup.py passes tracers (a list
+            # of numbers in config.json was a TypeError deep in check)
             wrong = {bool: not isinstance(value, bool), str: not isinstance(value, str),
                      int: isinstance(value, bool) or not hasattr(value, "__index__"),
-                     float: value is None or isinstance(value, (bool, str))}
+                     float: isinstance(value, bool) or not hasattr(value, "__float__")}
             # a field of another type (a user's float | None, say) is the user's to check
             if wrong.get(kind, False):
                 needs = {bool: "true or false", str: "a string", int: "an integer"}
@@ -343,22 +344,29 @@ def parse_value(name: str, kind, text: str):
         raise UsageError(f"--config.{name}={text!r}: expected {kind.__name__}") from None
 
 
+def override_field(arg: str) -> str:
+    """The field that "--config.FIELD=VALUE" sets; a malformed argument or an unknown field (a
+    near miss named) is a UsageError."""
+    if not arg.startswith("--config.") or "=" not in arg:
+        raise UsageError(f"unrecognised argument {arg!r} (see --help); "
+                         f"overrides look like --config.FIELD=VALUE")
+    name = arg[len("--config."):].split("=", 1)[0]
+    if name not in Config.__dataclass_fields__:
+        near = difflib.get_close_matches(name, Config.__dataclass_fields__, n=3)
+        if near:
+            hint = f"; did you mean {' or '.join(near)}?"
+        else:
+            hint = "; the fields are in configs/__init__.py"
+        raise UsageError(f"unknown config field {name!r}" + hint)
+    return name
+
+
 def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
     """Apply ["--config.FIELD=VALUE", ...]; an unknown field or a badly typed value is a
     UsageError."""
     types = typing.get_type_hints(Config)
     changes = {}
     for arg in overrides:
-        if not arg.startswith("--config.") or "=" not in arg:
-            raise UsageError(f"unrecognised argument {arg!r} (see --help); "
-                             f"overrides look like --config.FIELD=VALUE")
-        name, text = arg[len("--config."):].split("=", 1)
-        if name not in types:
-            near = difflib.get_close_matches(name, types, n=3)
-            if near:
-                hint = f"; did you mean {' or '.join(near)}?"
-            else:
-                hint = "; the fields are in configs/__init__.py"
-            raise UsageError(f"unknown config field {name!r}" + hint)
-        changes[name] = parse_value(name, types[name], text)
+        name = override_field(arg)
+        changes[name] = parse_value(name, types[name], arg.split("=", 1)[1])
     return dataclasses.replace(cfg, **changes)

@@ -31,7 +31,8 @@ from jax.experimental import multihost_utils
 from configs import Config
 from run.errors import RunError, UsageError
 from model import GPT
-from run.written import SAVED, damage, files, record_pending, recorded_steps
+from run.written import (SAVED, damage, files, record_pending, recorded_steps,
+                         step_metadata_damage)
 
 
 def checkpoint_manager(rundir: epath.Path, cfg: Config,
@@ -43,9 +44,13 @@ def checkpoint_manager(rundir: epath.Path, cfg: Config,
     directory = checkpoints_dir(rundir)
     # orbax calls it once the files are written, before it renames the step into place
     written = ocp.AsyncOptions(post_finalization_callback=lambda: record_pending(directory))
+    # lightweight_initialize: the manager does not read every step's metadata when it starts,
+    # where one malformed _CHECKPOINT_METADATA stopped it (and so every resume and sample.py);
+    # resume() checks each step's, sets a damaged one aside, and only then reloads
     options = ocp.CheckpointManagerOptions(
         preservation_policy=ocp.checkpoint_managers.LatestN(cfg.ckpt_keep),
-        cleanup_tmp_directories=True, read_only=read_only, async_options=written)
+        cleanup_tmp_directories=True, read_only=read_only, async_options=written,
+        lightweight_initialize=True)
     return ocp.CheckpointManager(directory, options=options)
 
 
@@ -171,8 +176,11 @@ def resume(mngr: ocp.CheckpointManager, model: GPT,
               f"run saved it, {SAVED} says)", file=sys.stderr, flush=True)
     for step in steps:
         try:
-            found = step, *restore_checkpoint(mngr, model, opt_state, step)
-            break
+            if found[0]:  # older than the one resumed: its orbax metadata alone, which reload reads
+                if problem := step_metadata_damage(mngr.directory / str(step)):
+                    raise Damaged(f"the checkpoint of step {step} is damaged: {problem}")
+            else:
+                found = step, *restore_checkpoint(mngr, model, opt_state, step)
         except Damaged as e:
             names = (f"{step}.damaged{n or ''}" for n in range(1000))  # damaged again: .damaged1
             aside = next(n for n in names if not (mngr.directory / n).exists())
@@ -206,10 +214,9 @@ class NothingToResume(RunError):
 def say_dropped(rundir: epath.Path, start: int) -> None:
     """The metrics.jsonl lines that run/metrics.py's Logger drops at this start (logged after the
     checkpoint: the run logs those steps again), said in one line: none goes silently."""
-    from run.metrics import logged_step
+    from run.metrics import logged_step, read_lines
 
-    path = rundir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
+    lines = read_lines(rundir / "metrics.jsonl")
     if dropped := sum(not 0 <= logged_step(line) <= start for line in lines):
         print(f"note: metrics.jsonl: {dropped} line(s) after step {start} (or unreadable) are "
               f"dropped: they came after the checkpoint, and the run logs those steps again",

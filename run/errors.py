@@ -1,4 +1,6 @@
-"""The two ways a command stops on purpose: each is printed as one line (no traceback), exit 1."""
+"""The two ways a command stops on purpose: each is printed as one line (no traceback), exit 1.
+And the commands' argument parser, whose own errors are one line too."""
+import argparse
 
 
 class UsageError(ValueError):
@@ -7,3 +9,12 @@ class UsageError(ValueError):
 
 class RunError(RuntimeError):
     """A run that cannot go on (non-finite steps, a failed checkpoint save): one printed line."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, with its own errors (a flag unknown or misspelled, a value of the wrong type, a
+    required one missing) one line as the commands' other errors, not a usage block above the
+    line; the exit code stays argparse's 2. --help still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")

@@ -26,11 +26,13 @@ class Logger:
     run)."""
 
     def __init__(self, rundir: epath.Path, start: int, wandb_project: str = "",
-                 config: dict | None = None):
+                 config: dict | None = None, writes: bool = True):
         from tensorboard.compat.proto import event_pb2, summary_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        if jax.process_index() != 0:  # process 0 alone writes; elsewhere every method does nothing
+        # process 0 alone writes, and not under --debug (writes False: its steps are a profile, no
+        # part of the run); elsewhere every method does nothing
+        if jax.process_index() != 0 or not writes:
             self.log = self.text = self.close = lambda *args: None
             return
         # wandb first: a login or network it lacks stops the launch before any file is touched
@@ -44,12 +46,11 @@ class Logger:
         first = start + 1 if start else 0
         self.tb.add_event(self.event(wall_time=time.time(), step=first, session_log=start_log))
         self.path, self.local = rundir / "metrics.jsonl", not str(rundir).startswith("gs://")
-        old = self.path.read_text() if start and self.path.exists() else ""
+        old = read_lines(self.path) if start else []
         # (a kill mid-append can leave half a line, a crash a line of zero bytes where the
         # filesystem had not written the data yet: no record, dropped; a whole record that lost
         # only its newline is kept, as checkpoint.say_dropped counts it)
-        self.lines = [line.rstrip("\n") + "\n" for line in old.splitlines(keepends=True)
-                      if 0 <= logged_step(line) <= start]
+        self.lines = [line.rstrip("\n") + "\n" for line in old if 0 <= logged_step(line) <= start]
         self.rewrite()
 
     def rewrite(self) -> None:
@@ -122,11 +123,26 @@ def wandb_run(rundir: epath.Path, project: str, config: dict | None):
 
 
 def logged_step(line: str) -> int:
-    """The step of a line of metrics.jsonl; -1 for a line that is not a record."""
+    """The step of a line of metrics.jsonl; -1 for a line that is not a record. Logger writes
+    each step as a JSON integer: a step of Infinity, 3.5 or "3" is a damaged line, not a record."""
     try:
-        return int(json.loads(line)["step"])
+        step = json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return -1
+    return step if type(step) is int else -1
+
+
+def read_lines(path: epath.Path) -> list[str]:
+    """metrics.jsonl's lines ([] where there is none). Bytes that are not UTF-8 are refused in one
+    line naming the line, not dropped with the torn lines: no kill or crash leaves them (a
+    filesystem that lost an append leaves zeros), so the file was edited or damaged otherwise."""
+    data = path.read_bytes() if path.exists() else b""
+    try:
+        return data.decode().splitlines(keepends=True)
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise UsageError(f"{path}, line {line}: not UTF-8 text, so not a record mugpt wrote: "
+                         f"delete that line, or restore the file") from None
 
 
 class Tally:

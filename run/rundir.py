@@ -71,8 +71,8 @@ def resume_config(path: str, overrides: list[str]) -> tuple[str, Config]:
     if not path or not (rundir / "config.json").exists():
         where = f": {rundir} holds no run to resume (no config.json)" if path else ""
         raise UsageError(f"--config is needed{where}; one of: {', '.join(configs.available())}")
-    fixed = sorted({o.split("=")[0].removeprefix("--config.") for o in overrides} -
-                   set(configs.RESUMABLE))
+    # a flag misspelled (--max_steps=, --config.max_step=) is named as such, not "cannot change"
+    fixed = sorted({configs.override_field(o) for o in overrides} - set(configs.RESUMABLE))
     if fixed:
         raise UsageError(f"{rundir} resumes as its config.json says: {', '.join(fixed)} cannot "
                          f"change (resuming may change only {', '.join(configs.RESUMABLE)})")
@@ -101,8 +101,8 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
     for this launch, and a function that puts back the files it wrote as they were (train.py may
     still refuse the run: launch.py calls it then). One that holds a run is resumed; if it cannot
     be, nothing is written. restart: a run whose checkpoints are all lost trains from step 0, its
-    logs and record of checkpoints kept aside. saves False (--debug): no room is needed for a
-    checkpoint."""
+    logs and record of checkpoints kept aside. saves False (--debug): checked as a launch is, but
+    only the lock is written, and no room is needed for a checkpoint."""
     import data  # not at the top: it loads numpy, and a typo should not wait for that
     rundir = epath.Path(path or f"runs/{config_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -120,11 +120,14 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
         before = {n: (rundir / n).read_bytes() if (rundir / n).exists() else None for n in names}
         rundir.mkdir(parents=True, exist_ok=True)
         lock_rundir(rundir)
-        renamed = set_aside(rundir) if restart else []
-        (rundir / "dataset.json").write_text(json.dumps(meta, indent=1))
-        (rundir / "run.json").write_text(json.dumps(run, indent=1))
-        config = json.dumps(dataclasses.asdict(cfg), indent=1)
-        (rundir / "config.json").write_text(config)  # last: it marks a run
+        # --debug's few steps are a profile, no part of the run: its files stay as they were (a
+        # new folder's config.json would fix the config of the run trained there next)
+        renamed = set_aside(rundir) if restart and saves else []
+        if saves:
+            (rundir / "dataset.json").write_text(json.dumps(meta, indent=1))
+            (rundir / "run.json").write_text(json.dumps(run, indent=1))
+            config = json.dumps(dataclasses.asdict(cfg), indent=1)
+            (rundir / "config.json").write_text(config)  # last: it marks a run
     except OSError as e:
         raise UsageError(f"cannot write the run directory {rundir}: {e.strerror or e}") from None
     except ImportError as e:  # epath reaches gs:// through fsspec, which needs gcsfs for it
@@ -165,14 +168,32 @@ def check_space(rundir: epath.Path, cfg: Config) -> None:
                          f"{free:,} are free: free some, or pass another --rundir")
 
 
+def check_writable(flag: str, path: str) -> None:
+    """A folder a command writes after minutes of work (bench.py's --checkpoint and --rundir),
+    checked first: the nearest part of its path that exists must be a folder this user can write
+    in (a file there was a NotADirectoryError traceback at the end)."""
+    where = Path(path).absolute()
+    while not where.exists():
+        where = where.parent
+    if not where.is_dir() or not os.access(where, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag}={path}: {where} is not a folder this user can write in; name "
+                         f"another {flag}")
+
+
 def check_no_orphans(rundir: epath.Path) -> None:
     """A folder without config.json but with a run's checkpoints is a run that lost its record:
-    taken as a new run, its checkpoints would be resumed under whatever config is given now."""
+    taken as a new run, its checkpoints would be resumed under whatever config is given now. One
+    with a run's other files (a run's, or files of that name from elsewhere) would have them
+    replaced."""
     from run import checkpoint, written
 
     if checkpoint.saved_steps(rundir) or (rundir / written.SAVED).exists():
         raise UsageError(f"{rundir} holds a run's checkpoints but no config.json: restore its "
                          f"config.json (the run's settings), or pass another --rundir")
+    if held := [n for n in ("run.json", "dataset.json", "metrics.jsonl") if (rundir / n).exists()]:
+        raise UsageError(f"{rundir} holds {', '.join(held)} but no config.json: a new run would "
+                         f"replace them; restore its config.json (the run's settings), or pass "
+                         f"another --rundir")
 
 
 def set_aside(rundir: epath.Path) -> list[tuple[str, str]]:
@@ -247,6 +268,9 @@ def check_dataset(rundir: epath.Path, meta: dict, where) -> None:
     path = rundir / "dataset.json"
     # compared once the run has saved a step: a launch that failed before may bring a new one
     old = read_json(path) if saved_steps(rundir) else meta
+    if not old and path.exists():  # emptied ({}): the check would pass whatever the dataset
+        raise UsageError(f"{path} is empty, not the record of the dataset {rundir} trained on: "
+                         f"restore it, or delete it (a new one is written)")
     if old and old != meta:
         key = next(k for k in sorted(old.keys() | meta.keys()) if old.get(k) != meta.get(k))
         was, now = str(old.get(key))[:30], str(meta.get(key))[:30]

@@ -78,7 +78,10 @@ def record(step_dir: epath.Path) -> None:
 
 def damage(step_dir: epath.Path) -> str | None:
     """The first of the checkpoint's files that differs from its RECORD; None if none does. A
-    checkpoint without RECORD is damaged too: the file lost, or a copy that left it behind."""
+    checkpoint without RECORD is damaged too: the file lost, or a copy that left it behind. So is
+    one whose orbax metadata orbax cannot read (step_metadata_damage)."""
+    if problem := step_metadata_damage(step_dir):
+        return problem
     if not (step_dir / RECORD).exists():
         return f"its {RECORD} is missing"
     try:
@@ -97,4 +100,17 @@ def damage(step_dir: epath.Path) -> str | None:
             return f"{name} has {length} bytes, {size} were written"
         if crc is not None and zlib.crc32(have[name].read_bytes()) != crc:
             return f"{name} differs from what was written (CRC32)"
+    return None
+
+
+def step_metadata_damage(step_dir: epath.Path) -> str | None:
+    """What is wrong with orbax's metadata of the step (_CHECKPOINT_METADATA: its handlers, its
+    commit time), which orbax writes after RECORD, so RECORD cannot check it; None if orbax reads
+    it (or it is absent: orbax then takes the directory's time). One that is JSON of another shape
+    ([], a number for a handler) stopped every manager that listed the step."""
+    try:
+        ocp.path.step.Metadata(step=0, path=epath.Path(step_dir)).commit_timestamp
+    except Exception as e:  # whatever orbax's parser raises for the JSON it was given
+        first = (str(e) or type(e).__name__).splitlines()[0][:80]
+        return f"its _CHECKPOINT_METADATA is not orbax's metadata of a step ({first})"
     return None

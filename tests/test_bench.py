@@ -123,3 +123,19 @@ def test_bench_torch_refuses_a_model_that_is_not_its_baseline():
     with pytest.raises(UsageError, match=r"^--torch times tools/bench_torch.py's fixed GPT \(.* "
                                          r"parameters\), not this model"):
         torch_step(tied, random_gpt(tied))
+
+
+def test_bench_refuses_a_folder_it_cannot_write_before_timing(tmp_path):
+    """--checkpoint and --time-to's --rundir are written at the end: a file in the way was a
+    NotADirectoryError traceback after the timing. --rundir without --time-to was ignored."""
+    (tmp_path / "file").write_text("")
+    where = f"{tmp_path / 'file'} is not a folder this user can write in"
+    for args, error in [([f"--checkpoint={tmp_path / 'file' / 'ck'}"],
+                         f"--checkpoint={tmp_path / 'file' / 'ck'}: {where}; name another"),
+                        (["--time-to=3", f"--rundir={tmp_path / 'file'}"],
+                         f"--rundir={tmp_path / 'file'}: {where}; name another --rundir"),
+                        ([f"--rundir={tmp_path / 'run'}"],
+                         "--rundir is --time-to's run directory: add --time-to=LOSS or drop it")]:
+        r = run(["bench.py", *TINY, "--steps=1", "--config.max_steps=1", *args])
+        assert r.returncode == 1 and r.stderr.startswith(f"error: {error}"), r.stderr
+        assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()

@@ -321,14 +321,34 @@ def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shak
 def test_debug_profiles_a_few_steps_then_stops_without_saving(shakespeare, tmp_path, env):
     """--debug: a jax.profiler trace of steps 6-8 in RUNDIR/profile, then the launch ends (it
     trained on to max_steps before, with nothing saved: a day's run lost to a flag meant for a
-    quick look)."""
-    rundir = tmp_path / "run"
+    quick look). It writes none of the run's files: a new folder gets no config.json (which
+    fixed the config of the run trained there next), a run's config.json and run.json stay as
+    they were (they said max_steps=100000)."""
+    rundir, files = tmp_path / "run", ("config.json", "run.json", "dataset.json", "metrics.jsonl")
     args = launch_args(rundir, "--debug", "--config.max_steps=100000", "--config.log_interval=1")
     r = run(args, env)
     assert r.returncode == 0, r.stderr
     assert f"--debug: the profile of the steps to 8 is in {rundir / 'profile'}" in r.stdout
-    assert max(rec["step"] for rec in records(rundir)) == 8 and committed_steps(rundir) == []
+    assert committed_steps(rundir) == [] and not [n for n in files if (rundir / n).exists()]
+    assert not list(rundir.rglob("events.out.tfevents*"))
     assert list((rundir / "profile").rglob("*.xplane.pb"))
+    trained = tmp_path / "trained"
+    assert run(launch_args(trained, "--config.max_steps=4"), env).returncode == 0
+    before = {n: (trained / n).read_bytes() for n in files}
+    r = run(launch_args(trained, "--debug", "--config.max_steps=100000"), env)
+    assert r.returncode == 0 and "the profile of the steps to 12" in r.stdout, r.stderr
+    assert {n: (trained / n).read_bytes() for n in files} == before
+
+
+def test_a_logger_that_does_not_write_leaves_the_run_directory_as_it_was(tmp_path):
+    """Logger(writes=False), for --debug: no metrics.jsonl, no tensorboard events."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 1.0}\n{"step": 20}\n')
+    logger = Logger(epath.Path(tmp_path), 10, writes=False)
+    logger.log(11, {"loss": 2.0}, {"loss": "loss/batch"})
+    logger.text(11, "sample", "text")
+    logger.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 10, "loss": 1.0}\n{"step": 20}\n'
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

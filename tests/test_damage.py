@@ -15,7 +15,7 @@ import pytest
 from etils import epath
 
 import train
-from run.checkpoint import checkpoint_manager, resume, save_checkpoint
+from run.checkpoint import checkpoint_manager, resume, save_checkpoint, say_dropped
 from run.errors import UsageError
 from conftest import tiny
 from run.metrics import Logger
@@ -116,8 +116,17 @@ def malformed_record(ckpt):
     return "its written.json is unreadable (not {file: [size, CRC32]})"
 
 
+def malformed_step_metadata(ckpt):
+    """orbax's own metadata of the step (handlers, commit time: not in the record, orbax writes it
+    after), JSON of another shape: the manager read it for every step when it started, and stopped
+    every resume with one line and no fallback."""
+    (ckpt / "_CHECKPOINT_METADATA").write_text("[]")
+    return "its _CHECKPOINT_METADATA is not orbax's metadata of a step"
+
+
 @pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, flip_reads_finite,
-                                       flip_reads_nonfinite, delete_record, malformed_record])
+                                       flip_reads_nonfinite, delete_record, malformed_record,
+                                       malformed_step_metadata])
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_one(
         straight, tmp_path, env, damage_it):
     """The straight run's directory with its last checkpoint damaged, and the same command again:
@@ -349,14 +358,41 @@ def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, en
     assert committed_steps(rundir) == [STEPS // 2, STEPS]
 
 
-def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path):
+def test_malformed_step_metadata_leaves_the_other_checkpoints_readable(straight, tmp_path, env):
+    """orbax's metadata of one step malformed (the types wrong): sample.py of that step is one line
+    naming the others, sample.py --step= of an intact one samples (it was a traceback), and a
+    resume sets the malformed one aside even when it is older than the one it resumes from."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    malformed = {"item_handlers": 3, "metrics": [], "init_timestamp_nsecs": "x"}
+    metadata = rundir / "checkpoints" / str(STEPS) / "_CHECKPOINT_METADATA"
+    metadata.write_text(json.dumps(malformed))
+    r = run(TOOLS["sample"](rundir, None), env)
+    assert_one_line_error(r, f"the checkpoint of step {STEPS} is damaged: its _CHECKPOINT_METADATA")
+    assert r.stderr.strip().endswith(f"(pass --step=: there are also {STEPS // 2})")
+    r = run([*TOOLS["sample"](rundir, None), f"--step={STEPS // 2}"], env)
+    assert r.returncode == 0 and f"{rundir} step {STEPS // 2}: " in r.stdout, r.stderr
+    shutil.rmtree(rundir)
+    shutil.copytree(straight[0], rundir)
+    (rundir / "checkpoints" / str(STEPS // 2) / "_CHECKPOINT_METADATA").write_text("[]")
+    r = run(launch_args(rundir, f"--config.max_steps={STEPS + 4}"), env)
+    assert f"resuming from the checkpoint of step {STEPS}" in r.stdout, r.stderr
+    assert f"warning: the checkpoint of step {STEPS // 2} is damaged: its _CHECKPOINT_METADATA" \
+           in r.stderr and (rundir / "checkpoints" / f"{STEPS // 2}.damaged").is_dir()
+
+
+def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path, capsys):
     """After a power loss a filesystem may keep an appended line's length but not its bytes (zeros);
-    a resume at step 20 drops it and any other line that is not a record, keeping the steps up to
-    20 once each; a whole record that lost only its newline is a record (as say_dropped counts)."""
+    a resume at step 20 drops it and any other line that is not a record (a step that is no
+    integer: Infinity stopped the launch with an OverflowError, 3.5 read as step 3), keeping the
+    steps up to 20 once each; a whole record that lost only its newline is a record (as
+    say_dropped counts)."""
     path = tmp_path / "metrics.jsonl"
     lines = ['{"step": 10, "loss": 1.0}', "\0" * 25, '{"step": 20, "loss": 2.0}', "[]",
-             '{"step": 30, "loss": 3.0}']
+             '{"step": Infinity}', '{"step": 3.5}', '{"step": "4"}', '{"step": 30, "loss": 3.0}']
     path.write_text("".join(line + "\n" for line in lines))
+    say_dropped(epath.Path(tmp_path), 20)
+    assert "note: metrics.jsonl: 6 line(s) after step 20 (or unreadable)" in capsys.readouterr().err
     cut = tmp_path / "cut"
     cut.mkdir()
     (cut / "metrics.jsonl").write_text(lines[0] + "\n" + lines[2])  # no newline at its end
@@ -368,6 +404,20 @@ def test_a_resume_drops_metrics_lines_a_crash_left_unreadable(tmp_path):
     logger.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": 10, "loss": 1.0}, {"step": 20, "loss": 2.0}, {"step": 30, "loss": 4.0}]
+
+
+def test_metrics_jsonl_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    """Bytes no kill or crash leaves: refused naming the file and line (a resume said "reading the
+    checkpoints failed"), by the resume's note and by the Logger alike; the file as it was."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 10, "loss": 1.0}\n{"step": 20, "note": "\xff"}\n')
+    before = path.read_bytes()
+    message = f"^{path}, line 2: not UTF-8 text, so not a record mugpt wrote: delete that line"
+    with pytest.raises(UsageError, match=message):
+        say_dropped(epath.Path(tmp_path), 20)
+    with pytest.raises(UsageError, match=message):
+        Logger(epath.Path(tmp_path), 20)
+    assert path.read_bytes() == before
 
 
 TOOLS = {  # each command that reads a run directory, as a user runs it
@@ -400,9 +450,15 @@ def no_heads(path):
     return f"{path}: n_head=0 must be at least 1; restore it or pass a new --rundir"
 
 
+def list_value(path):
+    """A list where a number belongs (hand-edited): a TypeError in Config.check."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), "learning_rate": [0.002]}))
+    return f"{path}: learning_rate=[0.002] must be a number; restore it or pass a new --rundir"
+
+
 @pytest.mark.parametrize("tool,fault", [(t, cut_short) for t in TOOLS] + [
     ("launch", null), ("sample", null), ("launch --config", unknown_field), ("sample", no_heads),
-    ("export", no_heads)])
+    ("export", no_heads), ("launch", list_value), ("sample", list_value)])
 def test_a_bad_config_json_is_one_line_in_each_tool_and_nothing_is_written(
         straight, tmp_path, env, tool, fault):
     """config.json cut short, null, or with a field this code does not know: each command says so
@@ -427,6 +483,12 @@ def bad_dataset_json(rundir):
     return f"{rundir / 'dataset.json'} is not a JSON object"
 
 
+def emptied_dataset_json(rundir):
+    """{}: the resume's check of the dataset passed whatever the dataset, and wrote a new one."""
+    (rundir / "dataset.json").write_text("{}")
+    return f"{rundir / 'dataset.json'} is empty, not the record of the dataset {rundir} trained on"
+
+
 def bad_tokenizer(rundir):
     meta = json.loads((rundir / "dataset.json").read_text())
     meta["tokenizer"] = {"kind": "hf", "json": '{"version": "1.0", "model": '}
@@ -436,6 +498,7 @@ def bad_tokenizer(rundir):
 
 @pytest.mark.parametrize("tool,fault", [("launch", bad_run_json), ("sample", bad_dataset_json),
                                         ("launch --config", bad_dataset_json),
+                                        ("launch --config", emptied_dataset_json),
                                         ("eval", bad_tokenizer), ("export", bad_tokenizer)])
 def test_a_bad_run_record_is_one_line_naming_the_file(straight, tmp_path, env, tool, fault):
     rundir = tmp_path / "run"

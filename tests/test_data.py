@@ -3,6 +3,7 @@ import dataclasses
 import hashlib
 import json
 import re
+import sys
 import time
 
 import numpy as np
@@ -165,11 +166,24 @@ def test_bad_local_files_are_one_line_naming_the_file(tmp_path, name, content, e
 
 def test_the_command_line_reports_bad_input_in_one_line(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\u00e9".encode("latin-1"))
-    for args, error in [([str(tmp_path / "x"), f"--source={tmp_path / 'latin1.txt'}"], "latin1.txt is not UTF-8"),
+    for args, error in [(["latin1_refused", f"--source={tmp_path / 'latin1.txt'}"], "latin1.txt is not UTF-8"),
                         (["shakespeare_char", "--source=x.txt"], "shakespeare_char is the fixed tiny-shakespeare text")]:
         result = run(["data.py", *args], timeout=120)  # above the error, only datasets' progress bars
         assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
         assert result.stderr.splitlines()[-1].startswith("error: ") and error in result.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "shakespeare_char/", "./shakespeare_char",
+                                  "Shakespeare_Char", "shakespeare_char."])
+def test_a_dataset_name_that_is_no_folder_name_is_refused(tmp_path, monkeypatch, name):
+    """data.py NAME writes data/NAME: "" wrote into data/ itself, ../x beside the repo, and
+    shakespeare_char/ went past the guard, over the fixed dataset. Refused before anything is read
+    (the source here does not exist: without the check, the error would be about it)."""
+    monkeypatch.setattr(sys, "argv", ["data.py", name, f"--source={tmp_path / 'none.txt'}"])
+    with pytest.raises(SystemExit) as e:
+        data.main()
+    assert str(e.value.code).startswith(f"error: dataset name {name!r} "), e.value.code
+    assert "\n" not in str(e.value.code)
 
 
 def test_preparing_again_leaves_a_running_reader_the_old_tokens(tmp_path):

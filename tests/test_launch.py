@@ -89,6 +89,7 @@ def test_bad_values_name_the_field(field, value, message):
     ("learning_rate", "1e-3", "learning_rate='1e-3' must be a number"),
     ("min_lr", None, "min_lr=None must be a number"),
     ("dataset", 3, "dataset=3 must be a string"),
+    ("learning_rate", [1e-3], "learning_rate=[0.001] must be a number"),  # a TypeError in check
 ])
 def test_a_config_module_value_of_the_wrong_type_is_refused(field, value, message):
     """A config module sets fields in Python, past the command line's parsing: Config checks each
@@ -243,6 +244,13 @@ def test_a_resume_with_another_config_names_every_field_that_differs(shakespeare
              "--config.seed=1"])
     assert r.returncode == 1 and r.stderr.startswith(
         f"error: {rundir} resumes as its config.json says: n_layer, seed cannot change"), r.stderr
+    # a misspelled flag is named as a new run names it (it was "cannot change")
+    for arg, message in [("--max_steps=2", "unrecognised argument '--max_steps=2' (see --help); "
+                                           "overrides look like --config.FIELD=VALUE"),
+                         ("--config.max_step=2", "unknown config field 'max_step'; did you mean "
+                                                 "max_steps")]:
+        r = run(["launch.py", f"--rundir={rundir}", arg])
+        assert r.returncode == 1 and r.stderr.startswith(f"error: {message}"), r.stderr
     assert {p.name: p.read_bytes() for p in rundir.iterdir() if p.is_file()} == files
 
 
@@ -276,3 +284,52 @@ def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):
     assert "mfu" not in tags  # a CPU has no datasheet peak: no made-up MFU
     assert [e.step for e in acc.Scalars("loss/val")] == [0, 15, 30]
     assert acc.Scalars("loss/val")[-1].value == pytest.approx(evals[-1]["val_loss"], rel=1e-6)
+
+
+def test_any_error_before_the_first_step_undoes_the_launch(shakespeare, tmp_path):
+    """Not only a refusal (UsageError, RunError): an error of any kind before the first step (here
+    a bug, raised where train.train would start) leaves no config.json that says what never ran;
+    its traceback still shows."""
+    from conftest import TINY_RUN
+    rundir = tmp_path / "run"
+    code = ("import launch, train\n"
+            "def bug(*args, **kwargs):\n    raise OverflowError('a bug')\n"
+            "train.train = bug\n"
+            f"launch.main({[*TINY_RUN, f'--rundir={rundir}']!r})\n")
+    r = run(["-c", code])
+    assert r.returncode != 0 and r.stderr.strip().endswith("OverflowError: a bug"), r.stderr
+    assert rundir.is_dir() and not {"config.json", "run.json", "dataset.json"} & {
+        p.name for p in rundir.iterdir()}
+
+
+@pytest.mark.parametrize("name", ["run.json", "dataset.json", "metrics.jsonl"])
+def test_a_folder_with_a_runs_files_but_no_config_json_is_not_overwritten(shakespeare, tmp_path,
+                                                                         name):
+    """A run that lost its config.json, or someone's files of those names: a new run there
+    replaced them and exited 0."""
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    (rundir / name).write_text("not mugpt's\n")
+    from conftest import TINY_RUN
+    r = run(["launch.py", *TINY_RUN, "--config.max_steps=1", f"--rundir={rundir}"])
+    assert r.returncode == 1 and r.stderr == (
+        f"error: {rundir} holds {name} but no config.json: a new run would replace them; restore "
+        f"its config.json (the run's settings), or pass another --rundir\n"), r.stderr
+    assert sorted(p.name for p in rundir.iterdir()) == [name]
+    assert (rundir / name).read_text() == "not mugpt's\n"
+
+
+@pytest.mark.parametrize("args", [["launch.py", "--num_processes=x"], ["bench.py", "--steps=x"],
+                                  ["sample.py", "--rundir=r", "--bogus"], ["data.py"],
+                                  ["eval.py", "--rundir=r"],
+                                  ["export.py", "--rundir=r", "--out=o", "--step=x"],
+                                  ["variants.py", "--size=huge"], ["mup.py", "evidence", "--bogus"],
+                                  ["-m", "tools.plots"]])
+def test_argparse_errors_are_one_line_in_each_command(args):
+    """A flag unknown, a value of the wrong type, an argument missing: argparse's own errors were
+    a usage block above the line; one line now (run.errors.ArgumentParser), argparse's exit 2."""
+    r = run(args)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith(
+        " (see --help)"), r.stderr

@@ -238,6 +238,9 @@ def test_bad_input_is_one_line(run_dir, tmp_path):
     assert error_line([f"--rundir={run_dir}", "--top_p=0"]) == "error: --top_p=0.0 must be in (0, 1]"
     assert error_line([f"--rundir={run_dir}", "--temperature=inf"]).startswith("error: --temperature=inf must be finite")
     assert error_line([f"--rundir={run_dir}", "--context=1"]) == "error: --context=1 must be at least 2"
+    # past block_size is allowed (ALiBi extrapolates): out of memory is one line naming --context
+    # (a context of 3M tokens: 9e12 attention scores a head, past any machine)
+    assert error_line([f"--rundir={run_dir}", "--context=3000000"]).startswith("error: out of memory (RESOURCE_EXHAUSTED")
     (tmp_path / "binary.txt").write_bytes(bytes(range(128, 256)))
     assert error_line([f"--rundir={run_dir}", f"--start=FILE:{tmp_path / 'binary.txt'}"]).endswith("is not UTF-8 text")
     assert error_line([f"--rundir={run_dir}", "--step=7"]) == f"error: --step=7: {run_dir} has checkpoints of steps 5, 10 only"

@@ -13,7 +13,6 @@ target, the highest of the optimizers' final mean train losses (each optimizer r
 average; a seed that does not is counted as never).
 OUT/optimizers.json holds every number, the settings, the commit and whether the tree was dirty;
 OUT/README.md is made from it."""
-import argparse
 import dataclasses
 import json
 import time
@@ -23,7 +22,7 @@ import numpy as np
 
 import configs
 from run import rundir
-from run.errors import RunError, UsageError
+from run.errors import ArgumentParser, RunError, UsageError
 from tools import plots, sweeps
 
 # optimizer: its LR grid as multiples of the config's LR. Lion's sign update is larger than Adam's
@@ -104,7 +103,7 @@ def readme(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--config", default="shakespeare_char_cpu")
     ap.add_argument("--steps", type=int, default=100, help=f"a multiple of {EVERY}")

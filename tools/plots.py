@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from run.errors import RunError
+from run.errors import ArgumentParser, RunError
 
 TITLES = {"mup": "muP + CompleteP", "sp": "SP", "spmodel": "model.py's SP",
           "nodepth": "muP, depth rules off"}
@@ -496,11 +496,10 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
 def main(argv: list[str] | None = None) -> None:
     """python -m tools.plots DIR: DIR's figures and README.md remade from its evidence.json (after a
     change of wording here, say), without training anything."""
-    import argparse
     import json
     import sys
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap = ArgumentParser(description=main.__doc__)
     ap.add_argument("dir", help="a folder that `python mup.py evidence --out=DIR` wrote")
     out = Path(ap.parse_args(argv).dir)
     try:

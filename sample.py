@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = dict(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                     n_vocab=meta["vocab_size"], top_k=args.top_k, top_p=args.top_p)
     try:
-        check_cache(model, S)  # an edit of model.py that decoding does not follow: refused
+        check_cache(model, cfg, S)  # an edit of model.py that decoding does not follow: refused
         t0 = time.perf_counter()
         compiled = generate.lower(*inputs, **settings).compile()
         t1 = time.perf_counter()

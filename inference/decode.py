@@ -9,6 +9,7 @@ decoding; one that reaches the forward but not the cached path (a mask made wher
 is None) is caught by check_cache, which sample.py and training's preview run first.
 
 Shapes as in model.py, plus S cache positions and N new tokens per sample."""
+import dataclasses
 from functools import partial
 from typing import Callable
 
@@ -53,13 +54,18 @@ def cache_error(model: GPT, S: int) -> jax.Array:
     return jnp.max(jnp.linalg.norm(got_SV - want_SV, axis=-1) / (norm_S + 1e-30))
 
 
-def check_cache(model: GPT, S: int) -> None:
+def check_cache(model: GPT, cfg: Config, S: int) -> None:
     """A UsageError unless decoding with a cache of S gives the model's own logits: an edit of
     model.py that the cached path does not follow (a mask made where attend's mask_TS is None:
     decoding passes its own; learned positions that ignore hidden's start) would sample another
-    model than the one trained. The check runs one sequence of S tokens."""
-    error = float(cache_error(model, S))
-    if not error <= TOLERANCE[model.dtype]:
+    model than the one trained. One sequence of S tokens, the model's arrays computed in float32
+    with model.py's functions alone, matmuls at full precision: bfloat16's and a fused kernel's
+    rounding, compounded over the layers, would hide a small difference or make one up."""
+    skeleton = eqx.filter_eval_shape(GPT, dataclasses.replace(cfg, compute_dtype="float32"))
+    exact = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
+    with jax.default_matmul_precision("float32"):
+        error = float(cache_error(exact, S))
+    if not error <= TOLERANCE["float32"]:
         raise UsageError(f"decoding with a KV cache does not give the model's own logits (they "
                          f"differ by {error:.3g} relative over {S} tokens): an edit of model.py "
                          "reaches its forward but not GPT.hidden with a cache (a mask made where "
@@ -155,7 +161,7 @@ def preview(model: GPT, cfg: Config, prompt: list[int], decode: Callable, n_voca
     training changed. decode: the run's tokenizer, loaded once by train.py. A model whose cached
     decoding is not its forward (check_cache) gets the reason instead: training goes on."""
     try:
-        check_cache(model, cfg.block_size)
+        check_cache(model, cfg, cfg.block_size)
     except UsageError as e:
         return f"(no sample: {e})"
     prompt_S = prompt_window(prompt, cfg.block_size)

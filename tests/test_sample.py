@@ -290,3 +290,10 @@ def test_an_edit_decoding_does_not_follow_is_refused(run_dir, monkeypatch, capsy
     model = random_gpt(tiny())
     text = decode.preview(model, tiny(), [1, 2, 3], lambda t: "".join(map(str, t)), N_VOCAB)
     assert text.startswith("(no sample: decoding with a KV cache does not give"), text
+
+
+def test_the_cache_check_passes_an_unedited_model_in_bfloat16():
+    """check_cache runs the model's arrays in float32: a bfloat16 model (random, 4 layers, every
+    gain random) that decodes as it trains is not refused for its rounding."""
+    cfg = tiny(compute_dtype="bfloat16", n_layer=4, norm_gain=True)
+    decode.check_cache(random_gpt(cfg), cfg, cfg.block_size)

@@ -19,7 +19,6 @@ not follow is never exported as a model that silently computes something else. D
 beside itself and renamed into place at the end (--force replaces it whole): an interrupted export
 leaves no half-written DIR. Needs requirements-export.txt (torch, transformers, safetensors)."""
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
@@ -30,7 +29,7 @@ import jax
 import numpy as np
 from etils import epath
 
-import model as definition
+from inference.decode import in_float32
 from run import reading
 from text import tokenization
 from configs import Config
@@ -170,13 +169,6 @@ def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool =
     return step
 
 
-def float32(model, cfg: Config):
-    """The same arrays in a GPT that computes in float32 (the self-check's reference)."""
-    skeleton = eqx.filter_eval_shape(definition.GPT, dataclasses.replace(cfg,
-                                                                         compute_dtype="float32"))
-    return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
-
-
 def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: dict) -> None:
     """Refuses (UsageError, one line) unless hf/modeling_mugpt.py's model with these weights, in
     float32, computes model.py's logits on a full block and a short sequence, and every array of
@@ -231,7 +223,7 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
         raise UsageError(f"export.py's state_dict cannot read model.py's GPT ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200]}): edit it and hf/modeling_mugpt.py to "
                          "follow model.py; nothing was written") from None
-    self_check(float32(model, cfg), weights, read, config)
+    self_check(in_float32(model, cfg), weights, read, config)
     # written beside out and renamed into place: a killed export leaves no half of one at out
     tmp, old = (out.parent / f".{out.name}.{what}-{os.getpid()}" for what in ("export", "old"))
     for stale in (tmp, old):  # a killed export's, of the same process id

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import Config
-from kernels.fast_paths import TOLERANCE
+from kernels.fast_paths import TOLERANCE, relative_error
 from model import GPT, KVCache
 from run.errors import UsageError
 
@@ -40,32 +40,35 @@ def extend(model: GPT, cache: KVCache, tokens_T: jax.Array, start) -> tuple[jax.
     return model.hidden(tokens_T, start, cache)
 
 
+def in_float32(model: GPT, cfg: Config) -> GPT:
+    """The same arrays in a GPT that computes in float32 with model.py's functions alone (no fast
+    path): the reference of check_cache and of export.py's self-check."""
+    skeleton = eqx.filter_eval_shape(GPT, dataclasses.replace(cfg, compute_dtype="float32"))
+    return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
+
+
 @eqx.filter_jit
-def cache_error(model: GPT, S: int) -> jax.Array:
-    """How far decoding's logits are from the full forward's over S tokens (fast_paths'
-    relative_error, position by position): a prefill of S - 1 tokens into a cache of S, then one
-    step at the last position, as generate runs them."""
+def cached_and_full_logits(model: GPT, S: int) -> tuple[jax.Array, jax.Array]:
+    """Decoding's logits and the full forward's over S tokens: a prefill of S - 1 tokens into a
+    cache of S, then one step at the last position, as generate runs them."""
     tokens_S = (jnp.arange(S) * 7 + 3) % model.embeddings().embed.shape[0]
-    want_SV = model(tokens_S)
     x_SD, cache = extend(model, empty_cache(model, S), tokens_S.at[-1].set(0), 0)
     x_1D, _ = extend(model, cache, tokens_S[-1:], S - 1)
-    got_SV = jnp.concatenate([model.logits(x_SD[:-1]), model.logits(x_1D)])
-    norm_S = jnp.linalg.norm(want_SV, axis=-1)
-    error = jnp.max(jnp.linalg.norm(got_SV - want_SV, axis=-1) / (norm_S + 1e-30))
-    return jnp.where(jnp.isfinite(want_SV).all(), error, 0.0)  # non-finite: nothing to compare
+    return jnp.concatenate([model.logits(x_SD[:-1]), model.logits(x_1D)]), model(tokens_S)
 
 
 def check_cache(model: GPT, cfg: Config, S: int) -> None:
     """A UsageError unless decoding with a cache of S gives the model's own logits: an edit of
     model.py that the cached path does not follow (a mask made where attend's mask_TS is None:
     decoding passes its own; learned positions that ignore hidden's start) would sample another
-    model than the one trained. One sequence of S tokens, the model's arrays computed in float32
-    with model.py's functions alone, matmuls at full precision: bfloat16's and a fused kernel's
-    rounding, compounded over the layers, would hide a small difference or make one up."""
-    skeleton = eqx.filter_eval_shape(GPT, dataclasses.replace(cfg, compute_dtype="float32"))
-    exact = jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
+    model than the one trained. One sequence of S tokens, the model's arrays computed in float32,
+    matmuls at full precision: bfloat16's and a fused kernel's rounding, compounded over the
+    layers, would hide a small difference or make one up."""
     with jax.default_matmul_precision("float32"):
-        error = float(cache_error(exact, S))
+        got_SV, want_SV = cached_and_full_logits(in_float32(model, cfg), S)
+    if not jnp.isfinite(want_SV).all():  # the model's own logits overflow: nothing to compare
+        return
+    error = relative_error(got_SV, want_SV)  # position by position
     if not error <= TOLERANCE["float32"]:
         raise UsageError(f"decoding with a KV cache does not give the model's own logits (they "
                          f"differ by {error:.3g} relative over {S} tokens): an edit of model.py "

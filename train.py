@@ -250,7 +250,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
     model, opt_state, step_fn, _, _ = setup(cfg, mesh)
     with one_line(f"reading the checkpoints in {rundir}"):
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
-        start, model, opt_state, saved = resume(mngr, model, opt_state)
+        start, model, opt_state, saved = resume(mngr, model, opt_state, not debug)
     tally = Tally(cfg, saved)
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     batch_shape = (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)

@@ -156,11 +156,12 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
     return model, restored.state["opt_state"], restored.tally
 
 
-def resume(mngr: ocp.CheckpointManager, model: GPT,
-           opt_state) -> tuple[int, GPT, optax.OptState, dict | None]:
+def resume(mngr: ocp.CheckpointManager, model: GPT, opt_state, set_aside: bool = True
+           ) -> tuple[int, GPT, optax.OptState, dict | None]:
     """(step, model, opt_state, tally) of the newest intact checkpoint, or (0, model, opt_state,
     None) for a run that has saved none. A damaged one is said in one line and renamed
-    STEP.damaged (orbax ignores that name), never deleted: its files may yet be copied back. The
+    STEP.damaged (orbax ignores that name), never deleted: its files may yet be copied back
+    (set_aside False, --debug's look that changes no file: said, and left where it is). The
     newest step the run recorded (written.SAVED) that is gone is named. With none left of a run
     that saved some, it stops (NothingToResume): trained from step 0, it would overwrite the logs
     of the run they hold."""
@@ -170,10 +171,11 @@ def resume(mngr: ocp.CheckpointManager, model: GPT,
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("mugpt: checkpoints listed")  # before any rename
     newest = max(recorded + steps[:1], default=0)
-    set_aside = (mngr.directory / f"{newest}.damaged").exists()  # said when it was renamed
-    if steps and newest not in steps and not set_aside and first:  # (none left: an error, below)
+    renamed = (mngr.directory / f"{newest}.damaged").exists()  # said when it was renamed
+    if steps and newest not in steps and not renamed and first:  # (none left: an error, below)
         print(f"warning: the checkpoint of step {newest} is missing from {mngr.directory} (the "
               f"run saved it, {SAVED} says)", file=sys.stderr, flush=True)
+    left = []  # damaged, not renamed (set_aside False)
     for step in steps:
         try:
             if found[0]:  # older than the one resumed: its orbax metadata alone, which reload reads
@@ -184,15 +186,20 @@ def resume(mngr: ocp.CheckpointManager, model: GPT,
         except Damaged as e:
             names = (f"{step}.damaged{n or ''}" for n in range(1000))  # damaged again: .damaged1
             aside = next(n for n in names if not (mngr.directory / n).exists())
-            if first:  # process 0 alone renames; the others find the same damage
+            if not set_aside:
+                left.append(str(step))
+                aside = None
+            if first and aside:  # process 0 alone renames; the others find the same damage
                 (mngr.directory / str(step)).rename(mngr.directory / aside)
-                print(f"warning: {e}; renamed {aside}", file=sys.stderr, flush=True)
+            if first:
+                done = f"renamed {aside}" if aside else "left as it is (--debug renames nothing)"
+                print(f"warning: {e}; {done}", file=sys.stderr, flush=True)
     agree(found[0])
     mngr.reload()  # forget the renamed steps: the run saves them again
     if found[0] and found[0] != newest and first:
         print(f"warning: resuming from the newest intact checkpoint, step {found[0]}",
               file=sys.stderr, flush=True)
-    damaged = [p.name for p in mngr.directory.iterdir() if ".damaged" in p.name] \
+    damaged = left + [p.name for p in mngr.directory.iterdir() if ".damaged" in p.name] \
         if mngr.directory.exists() else []
     if not found[0] and damaged:
         raise NothingToResume(f"no intact checkpoint in {mngr.directory}, only damaged ones "

@@ -148,6 +148,23 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_o
     assert damage(epath.Path(rundir / "checkpoints" / str(STEPS))) is None  # saved again, whole
 
 
+def test_debug_names_a_damaged_checkpoint_and_leaves_it_where_it_is(straight, tmp_path, env):
+    """--debug's look at a run changes none of its files: a damaged newest checkpoint is named in
+    the same line, its steps are profiled from the one before, and it keeps its name (it was
+    renamed STEP.damaged, which the next run then saved again over)."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    expected = truncate(rundir / "checkpoints" / str(STEPS))
+    r = run(launch_args(rundir, "--debug", f"--config.max_steps={STEPS}"), env)
+    assert r.returncode == 0, r.stderr
+    assert f"warning: the checkpoint of step {STEPS} is damaged: " in r.stderr
+    assert expected in r.stderr and "left as it is (--debug renames nothing)" in r.stderr
+    assert f"resuming from the checkpoint of step {STEPS // 2}" in r.stdout
+    assert sorted(p.name for p in (rundir / "checkpoints").iterdir()) == \
+        sorted(p.name for p in (straight[0] / "checkpoints").iterdir())
+    assert damage(epath.Path(rundir / "checkpoints" / str(STEPS))) is not None
+
+
 def assert_resumed_as_straight(r, rundir, straight, start=STEPS // 2):
     """Resumed at `start`, saying which metrics lines it drops, and ended as the straight run."""
     assert f"resuming from the checkpoint of step {start}" in r.stdout

@@ -81,10 +81,12 @@ def main(argv: list[str] | None = None) -> None:
             rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart,
                                         saves=not args.debug)
                             if jax.process_index() == 0 else (epath.Path(args.rundir), None))
+            began = []
+            if undo:  # Ctrl-C while it compiles: the same undo (interrupted, below)
+                UNDO.append(lambda: began or undo())
             if jax.default_backend() == "cpu" and cfg.compute_dtype == "bfloat16":
                 print(f"note: {args.config} computes in bfloat16, for GPUs and TPUs: on a CPU it "
                       "is slow (the CPU recipe: --config=shakespeare_char_cpu, float32)")
-            began = []
             try:
                 done = train.train(cfg, rundir, debug=args.debug, started=lambda: began.append(1))
                 if done is not None and not args.debug and jax.process_index() == 0:
@@ -118,12 +120,17 @@ def vocabulary_of_the_data(cfg: configs.Config, overrides: list[str]) -> configs
     return dataclasses.replace(cfg, vocab_size=vocab)
 
 
+UNDO: list = []  # what interrupted() puts back first: the run directory as it was
+
+
 def interrupted(signum: int, _) -> None:
     """SIGINT (Ctrl-C) or SIGTERM outside the training loop, whose own handler saves and stops: one
     line and out at once. Not a KeyboardInterrupt, which JAX's gc callbacks can swallow (the run
     goes on) and which, cutting an XLA compilation short, makes the interpreter's exit segfault
     (jax 0.10); SIGTERM's default was a silent kill."""
     name = signal.Signals(signum).name
+    for undo in UNDO:
+        undo()
     print(f"\nerror: interrupted ({name}); a run directory resumes from its last checkpoint "
           f"when given again as --rundir", file=sys.stderr, flush=True)  # \n: past a progress bar
     os._exit(1)

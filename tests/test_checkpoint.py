@@ -356,7 +356,8 @@ def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tm
                                                                  signum):
     """Ctrl-C or SIGTERM right after the run directory is written: during restore, compilation and
     the step-0 evaluation, before the loop's own handler. One line (SIGTERM killed silently), no
-    traceback; the same command then trains."""
+    traceback, and the new run's files written at its start removed again (its config.json fixed
+    the config of the next run there); the same command then trains."""
     rundir = tmp_path / "run"
     unbuffered = {**env, "PYTHONUNBUFFERED": "1"}
     proc = start(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), unbuffered)
@@ -367,6 +368,7 @@ def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tm
     out, err = proc.communicate(timeout=120)
     assert_one_line_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
                           f"interrupted ({signal.Signals(signum).name})")
+    assert not [n for n in ("config.json", "run.json", "dataset.json") if (rundir / n).exists()]
     assert run(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), env).returncode == 0
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import Config
+from kernels import fast_paths
 from run.errors import UsageError
 
 
@@ -163,7 +164,7 @@ def tokenize(pairs, encode, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
 def score(model, x_BT, y_BT, m_BT, n_vocab):
     """Each row's summed log-likelihood of its masked targets, and whether all are the argmax.
     The model's padded vocabulary is left out of the softmax (no tokenizer id is there)."""
-    logits_BTV = jax.vmap(model)(x_BT)
+    logits_BTV = jax.vmap(model, spmd_axis_name=fast_paths.batch_axes())(x_BT)  # as the step's
     valid_V = jnp.arange(logits_BTV.shape[-1]) < n_vocab
     logp_BTV = jax.nn.log_softmax(jnp.where(valid_V, logits_BTV, -jnp.inf), axis=-1)
     logp_BT = jnp.take_along_axis(logp_BTV, y_BT[..., None], axis=-1)[..., 0]
@@ -177,10 +178,15 @@ def loglikelihoods(model, x, y, m, n_vocab: int, sharding, batch: int):
     pad = -rows % batch
     x, y, m = (np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) for a in (x, y, m))
     lls, greedy = [], []
-    for i in range(0, len(x), batch):
-        xb, yb, mb = jax.device_put((x[i:i + batch], y[i:i + batch], m[i:i + batch]), sharding)
-        ll, g = score(model, xb, yb, mb, n_vocab)
-        lls.append(ll), greedy.append(g)
+    # a training model's kernels run on each device's own rows (fast_paths.per_device reads the
+    # mesh), not on the batch gathered on every device
+    mesh = sharding.mesh.abstract_mesh if isinstance(sharding, NamedSharding) else \
+        jax.sharding.AbstractMesh((), ())  # one device (eval.py's tests)
+    with jax.sharding.use_abstract_mesh(mesh):
+        for i in range(0, len(x), batch):
+            part = x[i:i + batch], y[i:i + batch], m[i:i + batch]
+            ll, g = score(model, *jax.device_put(part, sharding), n_vocab)
+            lls.append(ll), greedy.append(g)
     lls, greedy = jax.device_get((lls, greedy))
     return np.concatenate(lls)[:rows].astype(np.float64), np.concatenate(greedy)[:rows]
 

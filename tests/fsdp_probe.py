@@ -61,6 +61,17 @@ def pallas_calls(jaxpr, per_device=False):
 if sys.argv[4:] == ["kernels"]:  # forward and backward, each one per device (never gathered)
     where = list(pallas_calls(jaxpr.jaxpr))
     assert len(where) >= 2 and all(where) == (mesh.shape["fsdp"] > 1), where
+# the in-training task scoring (inference/tasks.py) on the same model, its calls recorded
+from inference import tasks  # noqa: E402
+
+score, scored = tasks.score, []
+tasks.score = lambda *a: scored.append(eqx.filter_make_jaxpr(score)(*a)[0]) or score(*a)
+rows = rng.integers(0, cfg.vocab_size, (3, 16, cfg.block_size)).astype(np.int32)
+lls, _ = tasks.loglikelihoods(s.model, *rows, cfg.vocab_size,
+                              NamedSharding(mesh, jax.P(("replica", "fsdp"))), 16)
+if sys.argv[4:] == ["kernels"]:  # each kernel on the device's own rows there too
+    where = [w for jaxpr in scored for w in pallas_calls(jaxpr.jaxpr)]
+    assert len(where) >= 1 and all(where) == (mesh.shape["fsdp"] > 1), where
 fsdp = mesh.shape["fsdp"]
 table = jax.tree.leaves(policy_table(s.model, cfg), is_leaf=lambda p: isinstance(p, Policy))
 for param, policy in zip(jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), table):
@@ -73,4 +84,4 @@ for param, policy in zip(jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), tab
 model, _, metrics = s.step(s.model, s.opt_state, *batch)
 arrays = {f"grad{i}": np.asarray(g) for i, g in enumerate(jax.tree.leaves(grads))}
 arrays |= {f"param{i}": np.asarray(p) for i, p in enumerate(jax.tree.leaves(eqx.filter(model, eqx.is_array)))}
-np.savez(out, loss=np.asarray(metrics["loss"]), **arrays)
+np.savez(out, loss=np.asarray(metrics["loss"]), task_loglikelihoods=lls, **arrays)

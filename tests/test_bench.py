@@ -110,7 +110,8 @@ def test_the_gpu_memory_fraction_defaults_to_0_9_unless_given(monkeypatch, comma
 def test_bench_torch_refuses_a_model_that_is_not_its_baseline():
     """tools/bench_torch.py is a fixed GPT: it takes the model bench.py times only when their
     parameters match (the plain config), and refuses one model.py's edits made another (here tied
-    embeddings: one matrix fewer) rather than time two different models side by side."""
+    embeddings: one matrix fewer), or a variant with as many parameters (ALiBi, dropout), rather
+    than time two different models side by side."""
     pytest.importorskip("torch")
     from conftest import tiny
     from test_model import random_gpt
@@ -123,6 +124,11 @@ def test_bench_torch_refuses_a_model_that_is_not_its_baseline():
     with pytest.raises(UsageError, match=r"^--torch times tools/bench_torch.py's fixed GPT \(.* "
                                          r"parameters\), not this model"):
         torch_step(tied, random_gpt(tied))
+    for variant in ({"position": "alibi"}, {"dropout": 0.1}):  # as many parameters, another model
+        other = tiny(n_layer=1, **variant)
+        with pytest.raises(UsageError, match=r"^--torch times tools/bench_torch.py's fixed GPT, "
+                                             r"which has (position=rope|dropout=0.0), not "):
+            torch_step(other, random_gpt(other))
 
 
 def test_bench_refuses_a_folder_it_cannot_write_before_timing(tmp_path):

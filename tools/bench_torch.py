@@ -9,10 +9,19 @@ from configs import Config
 from run.errors import UsageError
 
 
+# the config fields of a variant this baseline does not implement and that leaves the parameter
+# count as it is (those that change it, as SharedKV and MUDD do, are refused by the count)
+PLAIN = {"position": "rope", "dropout": 0.0}
+
+
 def torch_step(cfg: Config, model=None):
     """A function that runs one train step on random tokens, already warmed up. model: the JAX
     model bench.py times; one whose parameters are not these (model.py edited: a SwiGLU gate, say)
-    is refused, since the two would not be the same model."""
+    or whose config is another variant is refused, since the two would not be the same model."""
+    for field, plain in PLAIN.items():
+        if getattr(cfg, field) != plain:
+            raise UsageError(f"--torch times tools/bench_torch.py's fixed GPT, which has "
+                             f"{field}={plain}, not {getattr(cfg, field)}: drop --torch")
     B, T, D, H, K = cfg.batch_size, cfg.block_size, cfg.d_model, cfg.n_head, cfg.head_dim
     V = cfg.model_vocab
     freq = cfg.rope_base ** (-torch.arange(K // 2) / (K // 2))

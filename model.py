@@ -319,7 +319,7 @@ class GPT(eqx.Module):
     def loss(self, x_TD: Array, y_T: Int[Array, "T"]) -> Float[Array, "T"]:
         """Each position's cross-entropy of its next token y_T from the stream: train.py's loss.
         A second path to the readout (the fused one never makes the float32 logits): a change
-        to the logits goes in readout, which both read (fast_paths.check_one_readout)."""
+        to the logits goes in readout, which both read (kernels/agreement.check_one_readout)."""
         cross_entropy_fn = self.fast_cross_entropy or cross_entropy
         return cross_entropy_fn(*self.readout_inputs(x_TD), self.readout_mult, y_T)
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import Config
-from kernels.fast_paths import TOLERANCE, relative_error
+from kernels.agreement import TOLERANCE, relative_error
 from model import GPT, KVCache
 from run.errors import UsageError
 

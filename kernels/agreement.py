@@ -1,0 +1,75 @@
+"""When a copy of model.py's math counts as the same: the tolerance, the input scales and the error
+measure that every check of a copy uses (a fast path's, fast_paths.py; the KV cache's,
+inference/decode.py), and the check of GPT's two paths to the readout (check_one_readout)."""
+import math
+from typing import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import model
+from configs import Config
+from run.errors import UsageError
+
+# Largest relative error a copy may show, forward or gradient: a few roundings of the dtype.
+# Outputs are compared row by row (relative_error), gradients over the whole array.
+TOLERANCE = {"float32": 1e-3, "bfloat16": 3e-2}
+# The scales the check draws the model's inputs at, outputs compared at each: an edit whose effect
+# hides at one magnitude (a soft-cap on attention's logits, a norm's epsilon, a z-loss term) shows
+# at another. Gradients at the first only: near a one-hot softmax (large logits) a correct flash
+# attention's backward in bfloat16 differs from autodiff's by more than rounding.
+SCALES = (1.0, 1 / 64, 64.0)
+
+
+def relative_error(a: jax.Array, b: jax.Array) -> float:
+    """The largest over rows (along the last axis: a position's, a head's values) of the norm of
+    a - b over the norm of b (one axis: the whole array): a difference at a few positions (a
+    window that cuts the last keys) is not averaged away by the others."""
+    a, b = (jnp.atleast_2d(x.astype(jnp.float32)) for x in (a, b))
+    row = lambda x: jnp.linalg.norm(x.reshape(-1, x.shape[-1]), axis=-1)  # noqa: E731
+    norm = row(b)
+    return float(jnp.max(row(a - b) / jnp.maximum(norm, 1e-3 * jnp.max(norm) + 1e-30)))
+
+
+def whole_relative_error(a: jax.Array, b: jax.Array) -> float:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
+
+
+def spread(shape: tuple, dtype, seed: int) -> jax.Array:
+    """Values in [-2, 2] with no pattern a readout would notice: cheaper to compile than
+    jax.random's (this runs at every start, on the CPU too)."""
+    i = jnp.arange(math.prod(shape), dtype=jnp.float32)
+    return (2 * jnp.cos(i * 2.399963 + seed)).reshape(shape).astype(dtype)
+
+
+def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
+    """GPT.logits (what sampling, eval.py and the export read) against model.readout of
+    GPT.readout_inputs, which GPT.loss reads through model.cross_entropy (training's loss, and the
+    fused one is checked against it): on a random readout of the run's shapes at each of SCALES.
+    An edit in GPT.logits alone (a final soft-cap) would train one model and sample another: a
+    UsageError. Edits of model.cross_entropy (label smoothing, a z-loss) are the loss's own."""
+    shapes = eqx.filter_eval_shape(model.GPT, cfg, fast)
+    params, static = eqx.partition(shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    T, dtype = min(cfg.block_size, 8), jnp.dtype(cfg.compute_dtype)
+
+    @jax.jit
+    def both(scale):  # the unused arrays (the blocks') never made: XLA drops them
+        leaves, tree = jax.tree.flatten(params)
+        drawn = [scale * spread(x.shape, x.dtype, i) for i, x in enumerate(leaves)]
+        gpt = eqx.combine(jax.tree.unflatten(tree, drawn), static)
+        x_TD = spread((T, cfg.d_model), dtype, -1)
+        return gpt.logits(x_TD), model.readout(*gpt.readout_inputs(x_TD), gpt.readout_mult)
+
+    for scale in SCALES:  # the parameters' (the stream is normed before the readout)
+        with jax.ensure_compile_time_eval():  # values, even where setup is traced (tools/sweeps)
+            logits, want = both(scale)
+            if not jnp.isfinite(want).all():  # a readout that overflows (alpha_out=1e39): the
+                continue  # run's steps are non-finite, which train.py reports; nothing to compare
+            error = relative_error(logits, want)
+        if not error <= TOLERANCE[cfg.compute_dtype]:
+            raise UsageError(f"model.GPT.logits is not model.readout, which training's loss reads "
+                             f"(they differ by {error:.3g} relative): an edit in GPT.logits "
+                             "reaches sampling, eval.py and the export but not training; make it "
+                             "in model.readout")

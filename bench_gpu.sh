@@ -74,8 +74,8 @@ PY
 
 export CUDA_VISIBLE_DEVICES=0  # all but "multi" on one GPU
 # 1. MFU, the headline: openwebtext (124M, 64 sequences) and openwebtext_xl (1.5B) in its default
-#    scan and unrolled, with the config's 16-sequence microbatch accumulated over 4 (its 32 would
-#    take 13 s a step: part "more"). The memory fraction is launch.py's 0.9 default.
+#    scan and unrolled, with the config's 16-sequence microbatch accumulated over 4 (its 32 is
+#    part "more"). The memory fraction is launch.py's 0.9 default.
 OWT=(--config=openwebtext --config.batch_size=64 --config.grad_accum=1 --steps=20)
 XL=(--config=openwebtext_xl --config.batch_size=64 --config.grad_accum=4 --steps=3)
 part mfu && { bench "${OWT[@]}"; bench "${XL[@]}"; bench "${XL[@]}" --config.scan_unroll=48; }
@@ -86,8 +86,8 @@ TT=(--config=shakespeare_char --config.eval_interval=100 --time-to=1.4697)
 part time && bench "${TT[@]}"
 
 # 3. Each fast path set aside in turn, all of them (kernels=false), then Muon, at 124M in two
-#    32-sequence microbatches (64 sequences without cuDNN's attention outgrew an H100: 99.7 GB on
-#    the H200).
+#    32-sequence microbatches (64 sequences without cuDNN's attention outgrew an H100's memory:
+#    BENCHMARKS.md).
 FAST=(--config=openwebtext --config.batch_size=64 --config.grad_accum=2 --steps=10)
 if part fast; then
   bench "${FAST[@]}"

@@ -65,7 +65,7 @@ class Preset:
     lrs_per_program: int = 8
 
 
-# cpu: the whole takes a 2-core CPU about three hours with 3 seeds (docs/mup.md), so LR sweeps over
+# cpu: sized for a 2-core CPU and 3 seeds (docs/mup.md says how long), so LR sweeps over
 # width stop at 2x, curves at 4x. gpu: widths 64 -> 2048 and depths 2 -> 64 around a base of width
 # 256, 4 layers, 128 steps x 32 x 256 tokens (1M tokens a run), in bfloat16; 2 LRs x 3 seeds per
 # program keep width 2048's parameters, Adam's moments and activations within an H100.

@@ -1,8 +1,8 @@
 """nanoGPT's GPU recipe for character-level Shakespeare (config/train_shakespeare_char.py): 6
 layers, 6 heads, width 384, block 256, batch 64, dropout 0.2, 5000 steps, learning rate 1e-3
 warmed up over 100 steps and decayed to 1e-4, beta2 0.99, AdamW decay 0.1 x lr (here independent:
-1e-4). nanoGPT ends at val 1.4697. Without dropout mugpt overfit by step ~500 and stopped at val
-1.5155 at best (BENCHMARKS.md); this recipe with dropout has not been run on a GPU yet
+1e-4). nanoGPT ends at val 1.4697. Without dropout mugpt overfit early and stopped short of it
+(BENCHMARKS.md); this recipe with dropout has not been run on a GPU yet
 (bench_gpu.sh's "time" part measures the time to 1.4697).
 muP with its base at this shape (the same model as SP here)."""
 from configs import Config

@@ -156,6 +156,18 @@ def difference(a, b) -> tuple[float, float]:
     return d, float(stats.t.ppf(0.975, df) * np.sqrt(va + vb))
 
 
+def paired(a, b) -> tuple[float, float, float]:
+    """The mean of b - a seed by seed (a[i] and b[i] of one seed: one model read twice), its sample
+    sd and the half-width of its 95% interval (t with n - 1 degrees of freedom); sd and half-width
+    nan for one seed. Pairing removes the seed's own level, which Welch's t would count as noise."""
+    d = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
+    if d.size < 2:
+        return float(d.mean()), float("nan"), float("nan")
+    from scipy import stats
+    sd = float(d.std(ddof=1))
+    return float(d.mean()), sd, float(stats.t.ppf(0.975, d.size - 1) * sd / np.sqrt(d.size))
+
+
 def cell(mean: float, sd: float, digits: int = 2) -> str:
     return f"{mean:.{digits}f}" + ("" if np.isnan(sd) else f" ± {sd:.{digits}f}")
 

@@ -1,7 +1,7 @@
 """The seeds' variants side by side: docs/variants.md, remade by one command.
 
     python variants.py [--size=small|large|gpu|tiny] [--seeds=0,1,2] [--steps=N]
-        [--out=runs/variants/report]
+        [--out=runs/variants/report] [--remake]
 
 trains the baseline and each variant (SharedKV, grouped-query attention with n_head / 4 key/value
 heads, MUDD, ALiBi, MUDD + SharedKV) at the quickstart's recipe (configs/shakespeare_char_cpu.py,
@@ -9,9 +9,13 @@ its fast form: two CPU devices, data-parallel) from each seed (each its own init
 batch order: --config.seed), with launch.py in a subprocess each (runs/variants/SIZE/VARIANT/sSEED,
 resumed when rerun). Then it evaluates each final model on fixed validation batches at 1x, 2x and
 4x the training length (ALiBi's claim), and writes OUT/SIZE.json (every number, the commit, whether
-the tree was dirty, the settings) and the markdown table OUT/SIZE.md: mean ± sd over seeds, and
-each variant minus the baseline with its 95% interval. With --out=docs/variants the table also
-goes into docs/variants.md (between its markers); the default --out leaves tracked files alone.
+the tree was dirty, the settings) and the markdown tables OUT/SIZE.md: mean ± sd over seeds, each
+variant minus the baseline with its 95% interval, and each variant's loss at 2x and 4x the length
+minus its own at 1x, seed by seed, with its 95% interval. With --out=docs/variants the tables also
+go into docs/variants.md (between its markers); the default --out leaves tracked files alone.
+--remake makes them again from OUT/SIZE.json, without training. Step times are recorded in the
+JSON but not shown: a shared CPU's medians over 3 runs are not a timing (bench.py and
+BENCHMARKS.md are).
 "large" is the largest size the 2-core CPU trains in minutes (width 256, 8 layers; muP carries
 the LR); "gpu" 14M parameters (width 384, 8 layers, 600 steps of 64 x 256 tokens, bfloat16) on
 one GPU; "tiny" a toy size for the CPU test of the whole command.
@@ -118,7 +122,7 @@ def measure(rundir: Path, args: list[str]) -> dict:
 
 def table(results: dict, seeds: list[int]) -> str:
     """Markdown: mean ± sd over seeds per variant, and its val loss minus the baseline's with the
-    95% interval of the difference (Welch's t; "resolved" when it excludes 0)."""
+    95% interval of the difference (Welch's t; "resolved" when it excludes 0); then lengths()."""
     from tools import plots
 
     def mean_std(values):
@@ -134,18 +138,58 @@ def table(results: dict, seeds: list[int]) -> str:
             return f"{d:+.4f} (one seed: no interval)"
         return f"{d:+.4f} ± {h:.4f}" + (" (resolved)" if abs(d) > h else "")
 
-    head = ("| variant | val loss | minus baseline (95%) | params | FLOPs/token | step (ms) | "
+    head = ("| variant | val loss | minus baseline (95%) | params | FLOPs/token | "
             "KV cache B/token | " + " | ".join(f"val @ {n}x length" for n in LENGTHS[1:]) + " |")
-    rows = [head, "|" + "---|" * (6 + len(LENGTHS))]
+    rows = [head, "|" + "---|" * (5 + len(LENGTHS))]
     for variant, runs in results.items():
         first = runs[str(seeds[0])]
         cells = [variant, mean_std([r["val_loss"] for r in runs.values()]), against_baseline(runs),
                  f"{first['params']:,}", f"{first['flops_per_token']:.3g}",
-                 f"{statistics.median(r['step_ms'] for r in runs.values()):.1f}",
                  str(first["kv_cache_bytes_per_token"])]
         cells += [mean_std([r["val_loss_at"][str(n)] for r in runs.values()]) for n in LENGTHS[1:]]
         rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n\n" + lengths(results)
+
+
+def lengths(results: dict) -> str:
+    """Markdown: per variant, its val loss at each longer length minus its own at the training
+    length, seed by seed (one model read at two lengths: paired, so a seed's level cancels), mean
+    ± sd over seeds and the 95% interval; "grows" or "falls" only when the interval excludes 0."""
+    from tools import plots
+
+    def change(runs, n):
+        at = lambda k: [r["val_loss_at"][k] for r in runs.values()]
+        d, sd, h = plots.paired(at("1"), at(str(n)))
+        if h != h:  # one seed
+            return f"{d:+.3f} (one seed: no interval)"
+        said = "grows" if d - h > 0 else "falls" if d + h < 0 else "not resolved"
+        return f"{d:+.3f} ± {sd:.3f} [{d - h:+.3f}, {d + h:+.3f}]: {said}"
+
+    rows = ["Val loss at a longer length minus at the training length, each seed's model read at",
+            "both: mean ± sd over seeds [95% interval, t over seeds]; \"grows\" or \"falls\" only",
+            "when the interval excludes 0.", "",
+            "| variant | " + " | ".join(f"{n}x minus 1x" for n in LENGTHS[1:]) + " |",
+            "|---|" + "---|" * (len(LENGTHS) - 1)]
+    for variant, runs in results.items():
+        rows.append(f"| {variant} | " + " | ".join(change(runs, n) for n in LENGTHS[1:]) + " |")
     return "\n".join(rows) + "\n"
+
+
+def docs_text(report: dict) -> str:
+    """docs/variants.md's block for a report (OUT/SIZE.json's contents): its command, commit and
+    tables."""
+    s = report["settings"]
+    dirty = " (with uncommitted changes: the commit alone does not reproduce it)" * bool(
+        s.get("dirty"))  # reports made before it was recorded have no "dirty"
+    return f"`{s['command']}` at {s['commit']}{dirty}:\n\n" + table(report["results"], s["seeds"])
+
+
+def write_report(out: Path, report: dict) -> None:
+    """OUT/SIZE.md, and docs/variants.md's block when OUT is docs/variants."""
+    size = report["settings"]["size"]
+    (out / f"{size}.md").write_text(table(report["results"], report["settings"]["seeds"]))
+    if out.resolve() == ROOT / "docs" / "variants":  # not a smoke test's: docs/variants.md shows it
+        put_in_docs(size, docs_text(report))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,7 +201,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="runs/variants/report",
                     help="docs/variants also remakes docs/variants.md's table")
     ap.add_argument("--runs", default="runs/variants", help="where the runs train")
+    ap.add_argument("--remake", action="store_true",
+                    help="OUT/SIZE.md (and docs/variants.md's block) from OUT/SIZE.json; "
+                    "nothing trains")
     args = ap.parse_args(argv)
+    if args.remake:
+        path = ROOT / args.out / f"{args.size}.json"
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: {path}: {getattr(e, 'strerror', None) or e}: pass the --out and "
+                     "--size of a report variants.py wrote")
+        write_report(ROOT / args.out, report)
+        print(table(report["results"], report["settings"]["seeds"]))
+        return
     try:
         seeds = [int(s) for s in args.seeds.split(",")]
     except ValueError:
@@ -188,14 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     settings = {"command": " ".join(["python variants.py", *shown]), "commit": commit,
                 "dirty": state["dirty"], "size": args.size, "seeds": seeds, "steps": args.steps,
                 "overrides": {v: overrides(args.size, v, 0, args.steps) for v in names}}
-    (out / f"{args.size}.json").write_text(json.dumps({"settings": settings,
-                                                       "results": results}, indent=1))
-    (out / f"{args.size}.md").write_text(table(results, seeds))
-    dirty = " (with uncommitted changes: the commit alone does not reproduce it)" * bool(
-        state["dirty"])
-    if out == ROOT / "docs" / "variants":  # not a smoke test's: docs/variants.md shows it
-        put_in_docs(args.size, f"`{settings['command']}` at {commit}{dirty}:\n\n"
-                    + table(results, seeds))
+    report = {"settings": settings, "results": results}
+    (out / f"{args.size}.json").write_text(json.dumps(report, indent=1))
+    write_report(out, report)
     print(table(results, seeds))
 
 

@@ -244,6 +244,23 @@ def test_the_depth_rules_are_said_to_cost_loss_where_they_do():
     assert "no claim either way" in "\n".join(plots.depth_rules_against_off(one))
 
 
+@pytest.mark.parametrize("sp_best,said", [
+    ({64: 2.5, 128: 2.3, 256: 2.4}, "muP at widths 64, 256; equal at 128;"),
+    ({64: 2.5, 128: 2.3, 256: 2.1}, "model.py's SP at width 256; muP at width 64; equal at 128;")])
+def test_the_lower_loss_names_only_the_sides_that_have_a_width(sp_best, said):
+    """muP's best loss 2.4, 2.3, 2.2 at widths 64, 128, 256 against model.py's SP's: the line on
+    which has the lower mean names each side only where it has a width (never "at widths none")."""
+    noise = [-0.01, 0.0, 0.012]
+    rows = lambda by: {str(w): [[b + 1, b + e, b + 0.5] for e in noise] for w, b in by.items()}
+    doc = {"results": {"lr_width": rows({64: 2.4, 128: 2.3, 256: 2.2}),
+                       "lr_width_spmodel": rows(sp_best)}}
+    st = {"lr_width": {"config": {"d_model": 128}, "lrs": [1e-3, 2e-3, 4e-3]}}
+    line = next(x for x in plots.against_mup(doc, st, "lr_width_spmodel", "model.py's SP", "")
+                if x.startswith("The lower mean loss"))
+    assert line.startswith(f"The lower mean loss: {said} beyond the 95% interval at: "), line
+    assert "none;" not in line
+
+
 EVIDENCE = sorted(p.parent.relative_to(ROOT) for p in (ROOT / "docs").rglob("evidence.json"))
 
 

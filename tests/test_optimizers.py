@@ -269,6 +269,46 @@ def test_the_optimizer_comparison_claims_only_what_its_numbers_allow():
     assert sweep.steps_to([[3, 2.5, 2.1], [3, 2.8, 2.4], [2.6, 2.6, 2.6]], 2.4) == [30, 30, None]
 
 
+@pytest.mark.parametrize("muon,said", [
+    ([70, 70, 80], "not resolved (the interval includes 0)"),
+    ([30, 40, 30], "fewer steps (the interval excludes 0)")])
+def test_steps_to_the_target_are_claimed_only_beyond_welchs_interval(muon, said):
+    """The steps to the target, Muon's minus AdamW's (90, 80, 100 steps), against scipy's Welch
+    interval, an independent computation: said to be fewer only when it excludes 0; a seed that
+    never reaches the target leaves the difference out (Lion's, here)."""
+    from scipy import stats
+    from tools import optimizer_sweep as sweep
+
+    def run(reached):  # 10 windows of 10 steps; seed i at 2.0 (the target) from step reached[i]
+        train = [[3.0] * (k // 10 - 1) + [2.0] * (11 - k // 10) for k in reached]
+        return {"lrs": [1e-3, 2e-3, 4e-3], "best": 1, "train": train, "val": [[2.0] * 3] * 3}
+
+    never = run([50, 60, 70])  # one seed ends above the target, 2.0, and the mean below it
+    never["train"] = [[3.0] * 9 + [2.5], [3.0] * 5 + [1.5] * 5, [3.0] * 5 + [1.5] * 5]
+    doc = {"commit": "c0ffee", "dirty": False, "minutes": 1.0,
+           "settings": {"command": "python -m tools.optimizer_sweep --out=X", "config": "cfg",
+                        "overrides": [], "steps": 100, "seeds": 3},
+           "results": {"adamw": run([90, 80, 100]), "lion": never, "muon": run(muon)}}
+    text = sweep.readme(doc)
+    ci = stats.ttest_ind(muon, [90, 80, 100], equal_var=False).confidence_interval(0.95)
+    d, h = (ci.high + ci.low) / 2, (ci.high - ci.low) / 2
+    assert f"- muon, steps to the target: {d:+.1f} ± {h:.1f} against AdamW's (95% interval): " \
+        f"{said}" in text
+    assert f"| {np.mean(muon):.0f} ± {np.std(muon, ddof=1):.0f} | {d:.1f} ± {h:.1f}" in text
+    assert "- lion, steps to the target: no difference computed: a seed never reaches" in text
+
+
+def test_docs_optimizer_comparison_is_current():
+    """docs/optimizers_cpu/README.md is what tools/optimizer_sweep.readme makes from the
+    optimizers.json beside it: a change of the generator without the remade README fails here."""
+    from tools import optimizer_sweep as sweep
+    where = ROOT / "docs" / "optimizers_cpu"
+    doc = json.loads((where / "optimizers.json").read_text())
+    assert (where / "README.md").read_text() == sweep.readme(doc), (
+        "docs/optimizers_cpu/README.md is stale: "
+        "python -m tools.optimizer_sweep --out=docs/optimizers_cpu --remake")
+
+
 @pytest.mark.parametrize("name", ["shakespeare_char_cpu", "shakespeare_char"])
 def test_the_comparison_trains_each_optimizer_without_the_others_fields(name):
     """tools/optimizer_sweep's config per optimizer: every config passes Config.check (the

@@ -216,7 +216,7 @@ def test_variants_table_gives_each_variant_minus_the_baseline_with_welchs_interv
     from scipy import stats
     import variants
     loss = {"baseline": [1.70, 1.72, 1.69], "a": [1.60, 1.61, 1.63], "b": [1.71, 1.66, 1.74]}
-    results = {v: {str(i): {"val_loss": x, "val_loss_at": {"2": x, "4": x}, "params": 1,
+    results = {v: {str(i): {"val_loss": x, "val_loss_at": {"1": x, "2": x, "4": x}, "params": 1,
                             "flops_per_token": 1.0, "step_ms": 1.0, "kv_cache_bytes_per_token": 1}
                     for i, x in enumerate(xs)} for v, xs in loss.items()}
     md = variants.table(results, [0, 1, 2])
@@ -225,6 +225,53 @@ def test_variants_table_gives_each_variant_minus_the_baseline_with_welchs_interv
         d, h = (ci.high + ci.low) / 2, (ci.high - ci.low) / 2
         assert f"| {v} | {np.mean(loss[v]):.4f} ± {np.std(loss[v], ddof=1):.4f} | {d:+.4f} ± {h:.4f}" \
             f"{' (resolved)' if resolved else ''} |" in md
+
+
+def test_variants_table_gives_each_variants_change_with_length_paired_over_seeds():
+    """The loss at 2x and 4x the length minus at 1x, seed by seed, against scipy's paired t-test
+    interval, an independent computation: "grows" only when it lies above 0, "falls" below,
+    else "not resolved"; one seed has no interval. The table shows no step time."""
+    from scipy import stats
+    import variants
+    at = {"rope": ([1.70, 1.65, 1.69], [1.72, 1.68, 1.72], [1.83, 1.79, 1.83]),
+          "alibi": ([1.78, 1.75, 1.80], [1.77, 1.735, 1.79], [1.76, 1.75, 1.78]),
+          "noisy": ([1.70, 1.70, 1.70], [1.75, 1.68, 1.72], [1.60, 1.75, 1.80])}
+    results = {v: {str(i): {"val_loss": one[i], "params": 1, "flops_per_token": 1.0,
+                            "step_ms": 123.4, "kv_cache_bytes_per_token": 1,
+                            "val_loss_at": {"1": one[i], "2": two[i], "4": four[i]}}
+                   for i in range(3)} for v, (one, two, four) in at.items()}
+    md = variants.table(results, [0, 1, 2])
+    verdicts = set()  # the made-up losses give each verdict, and "not resolved" on either side of 0
+    for v, (one, *longer) in at.items():
+        cells = []
+        for x in longer:
+            d = np.subtract(x, one)
+            ci = stats.ttest_rel(x, one).confidence_interval(0.95)
+            said = "grows" if ci.low > 0 else "falls" if ci.high < 0 else "not resolved"
+            verdicts.add((said, d.mean() > 0))
+            cells.append(f"{d.mean():+.3f} ± {d.std(ddof=1):.3f} [{ci.low:+.3f}, {ci.high:+.3f}]: "
+                         f"{said}")
+        assert f"| {v} | {cells[0]} | {cells[1]} |" in md, md
+    assert verdicts == {("grows", True), ("falls", False), ("not resolved", True),
+                        ("not resolved", False)}
+    assert "123.4" not in md and "step" not in md
+    one_seed = {v: {"0": r["0"]} for v, r in results.items()}
+    assert "| alibi | -0.010 (one seed: no interval) |" in variants.table(one_seed, [0])
+
+
+def test_docs_variants_tables_are_current():
+    """docs/variants/small.md and docs/variants.md's block are what variants.table makes from
+    docs/variants/small.json: a change of the generator without the remade docs fails here."""
+    import json
+    import variants
+    report = json.loads((ROOT / "docs" / "variants" / "small.json").read_text())
+    remake = "python variants.py --out=docs/variants --remake"
+    md = variants.table(report["results"], report["settings"]["seeds"])
+    assert (ROOT / "docs" / "variants" / "small.md").read_text() == md, f"stale: {remake}"
+    start, end = "<!-- variants.py small -->\n", "<!-- end variants.py small -->"
+    page = (ROOT / "docs" / "variants.md").read_text()
+    block = page.split(start, 1)[1].split(end, 1)[0]
+    assert block == variants.docs_text(report), f"stale: {remake}"
 
 
 @pytest.mark.parametrize("args,message", [

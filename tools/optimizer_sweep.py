@@ -10,9 +10,12 @@ validation loss over seeds. At that LR: the validation loss (mean ± sd), its di
 AdamW's with the 95% interval (Welch's t; a difference is claimed only when the interval excludes
 0), and the steps each seed's train loss (averaged over windows of 10 steps) takes to reach the
 target, the highest of the optimizers' final mean train losses (each optimizer reaches it on
-average; a seed that does not is counted as never).
+average; a seed that does not is counted as never), with their difference from AdamW's and its
+95% interval, claimed on the same rule (none when a seed never reaches the target).
 OUT/optimizers.json holds every number, the settings, the commit and whether the tree was dirty;
-OUT/README.md is made from it."""
+OUT/README.md is made from it; `--remake` makes it again from the JSON, without training:
+
+    python -m tools.optimizer_sweep --out=docs/optimizers_cpu --remake"""
 import dataclasses
 import json
 import time
@@ -67,11 +70,26 @@ def claim(d: float, h: float, steps: int) -> str:
     return f"{better} than AdamW at {steps} steps (the 95% interval excludes 0)"
 
 
+def steps_claim(base: list[int | None], reached: list[int | None]) -> tuple[str, str]:
+    """The table's cell and the sentence for the steps to the target minus AdamW's (95%)."""
+    if None in base or None in reached:  # "never" has no number: a mean over the rest would flatter
+        return "", "no difference computed: a seed never reaches the target"
+    d, h = plots.difference(base, reached)
+    if np.isnan(h):
+        return f"{d:+.1f}", f"{d:+.1f} against AdamW's: one seed, no interval"
+    said = f"{d:+.1f} ± {h:.1f} against AdamW's (95% interval)"
+    if abs(d) <= h:
+        return plots.cell(d, h, 1), f"{said}: not resolved (the interval includes 0)"
+    fewer = "fewer" if d < 0 else "more"
+    return plots.cell(d, h, 1) + " (resolved)", f"{said}: {fewer} steps (the interval excludes 0)"
+
+
 def readme(doc: dict) -> str:
     res, s = doc["results"], doc["settings"]
     finals = [np.mean([w[-1] for w in r["train"]]) for r in res.values()]
     target = float(max(finals))
     base = res["adamw"]["val"][res["adamw"]["best"]] if "adamw" in res else None  # per seed
+    base_steps = steps_to(res["adamw"]["train"], target) if "adamw" in res else None
     lines = ["# AdamW, Lion and Muon at their best learning rates", "",
              f"Made by `{s['command']}` at commit {doc['commit']}"
              + (" **with uncommitted changes**" if doc["dirty"] else "")
@@ -81,7 +99,8 @@ def readme(doc: dict) -> str:
              f"schedule compressed), {s['seeds']} seeds, each optimizer's LR grid 8 points a "
              f"factor 2 apart. Target train loss: {target:.3f} (the highest of the final means).",
              "", "| optimizer | best LR (grid point) | val loss | minus AdamW (95%) | "
-             f"steps to train loss {target:.3f} |", "|---|---|---|---|---|"]
+             f"steps to train loss {target:.3f} | steps minus AdamW (95%) |",
+             "|---|---|---|---|---|---|"]
     claims = []
     for name, r in res.items():
         i, n = r["best"], len(r["lrs"])
@@ -98,6 +117,12 @@ def readme(doc: dict) -> str:
         reached = steps_to(r["train"], target)
         cells.append(plots.cell(*plots.mean_sd(reached), 0)
                      + (f" ({reached.count(None)} seed(s) never)" if None in reached else ""))
+        if base is None or name == "adamw":
+            cells.append("")
+        else:
+            cell, said = steps_claim(base_steps, reached)
+            cells.append(cell)
+            claims.append(f"- {name}, steps to the target: {said}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines + [""] + claims) + "\n"
 
@@ -109,7 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=100, help=f"a multiple of {EVERY}")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--remake", action="store_true",
+                    help="OUT/README.md made again from OUT/optimizers.json; nothing trains")
     args, overrides = ap.parse_known_args(argv)
+    if args.remake:
+        remake(Path(args.out))
+        return
     try:
         names = args.optimizers.split(",")
         if unknown := [n for n in names if n not in OPTIMIZERS]:
@@ -142,6 +172,17 @@ def main(argv: list[str] | None = None) -> None:
         print(readme(doc))
     except (UsageError, RunError) as e:
         raise SystemExit(f"error: {e}")
+
+
+def remake(out: Path) -> None:
+    """OUT/README.md from OUT/optimizers.json (after a change of wording here)."""
+    try:
+        doc = json.loads((out / "optimizers.json").read_text())
+        (out / "README.md").write_text(readme(doc))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {out}/optimizers.json: {getattr(e, 'strerror', None) or e}: "
+                         "pass a folder that tools.optimizer_sweep wrote")
+    print(f"{out}/README.md remade from optimizers.json")
 
 
 if __name__ == "__main__":

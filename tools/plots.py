@@ -1,6 +1,8 @@
 """The report of mup.py's evidence, made from evidence.json alone: a figure per part (matplotlib)
 and README.md, whose every number is read from the JSON and whose every claim is printed only when
-its numbers pass the threshold stated beside it (95% intervals over seeds); each file written
+its numbers pass the threshold stated beside it: a 95% interval over seeds for the drifts and the
+loss comparisons; one sd over seeds for "Wider is better?" (each wider width's mean against the
+narrower's, by the larger of their sds), a weaker test, said in its section. Each file written
 whole. Evidence made before seeds (no "seeds" key) is read too; its README says what it lacks."""
 import copy
 import os
@@ -152,6 +154,18 @@ def difference(a, b) -> tuple[float, float]:
     from scipy import stats
     df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
     return d, float(stats.t.ppf(0.975, df) * np.sqrt(va + vb))
+
+
+def paired(a, b) -> tuple[float, float, float]:
+    """The mean of b - a seed by seed (a[i] and b[i] of one seed: one model read twice), its sample
+    sd and the half-width of its 95% interval (t with n - 1 degrees of freedom); sd and half-width
+    nan for one seed. Pairing removes the seed's own level, which Welch's t would count as noise."""
+    d = np.asarray(b, dtype=float) - np.asarray(a, dtype=float)
+    if d.size < 2:
+        return float(d.mean()), float("nan"), float("nan")
+    from scipy import stats
+    sd = float(d.std(ddof=1))
+    return float(d.mean()), sd, float(stats.t.ppf(0.975, d.size - 1) * sd / np.sqrt(d.size))
 
 
 def cell(mean: float, sd: float, digits: int = 2) -> str:
@@ -307,11 +321,15 @@ def against_mup(doc: dict, st: dict, part: str, name: str, what: str) -> list[st
             lines.append(f"{who} has the lower mean loss at every swept width; beyond the 95% "
                          f"interval at: {beyond}.")
     if len(set(lower)) > 1:
-        at = lambda who: ", ".join(str(w) for w, x in zip(widths, lower) if x == who) or "none"
-        equal = f"; equal at {at('neither')}" if "neither" in lower else ""
+        # each side named only where it has a width: "X at widths none" says nothing
+        at = {who: ", ".join(str(w) for w, x in zip(widths, lower) if x == who)
+              for who in (name, "muP", "neither")}
+        sides = [f"{who} at width{'s' * (',' in at[who])} {at[who]}" for who in (name, "muP")
+                 if at[who]]
+        sides += [f"equal at {at['neither']}"] * bool(at["neither"])
         beyond = ", ".join(f"{w} ({x})" for w, x, r in zip(widths, lower, resolved) if r) or "none"
-        lines.append(f"The lower mean loss: {name} at widths {at(name)}; muP at {at('muP')}"
-                     f"{equal}; beyond the 95% interval at: {beyond}.")
+        lines.append(f"The lower mean loss: {'; '.join(sides)}; beyond the 95% interval at: "
+                     f"{beyond}.")
     base, top = st["lr_width"]["config"]["d_model"], widths[-1]
     lrs = st["lr_width"]["lrs"]
     if base in widths and top != base:

@@ -29,7 +29,8 @@ from run.errors import ArgumentParser, RunError, UsageError
 from tools import plots, sweeps
 
 # optimizer: its LR grid as multiples of the config's LR. Lion's sign update is larger than Adam's
-# per coordinate: its best LR lies 3-10x lower (Chen et al. 2023, Sec. 5), so its grid sits 8x lower.
+# per coordinate: its best LR lies 3-10x lower (Chen et al. 2023, Sec. 5), so its grid sits 8x
+# lower.
 OPTIMIZERS = {"adamw": [2.0**k for k in range(-4, 4)], "lion": [2.0**k for k in range(-7, 1)],
               "muon": [2.0**k for k in range(-4, 4)]}
 EVERY = 10  # steps per window of the train loss

@@ -254,7 +254,7 @@ def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
     as the model calls it, the inputs times scale."""
     drawn = drawn_in(call)
     keys = jax.random.split(key, max(len(drawn), 1))
-    values = {id(d): draw(d, k) for d, k in zip(drawn, keys)}
+    values = {id(d): draw(d, k, cfg.vocab_size) for d, k in zip(drawn, keys)}
     inputs = [d for d in drawn if d.varies and jnp.issubdtype(d.dtype, jnp.floating)]
 
     def run(fn, scale, *arrays):
@@ -266,14 +266,19 @@ def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
     return tuple(values[id(d)] for d in inputs), run
 
 
-def draw(d: Drawn, key: jax.Array) -> jax.Array:
+def draw(d: Drawn, key: jax.Array, V: int) -> jax.Array:
+    """Values for an argument. Integers are token ids (the loss's targets), drawn over the whole
+    vocabulary V with its edges first in each row: the ids a tokenizer keeps for its special tokens
+    (GPT-2's end-of-text is V - 1, BERT's are the lowest), which an edit may treat apart."""
     if jnp.issubdtype(d.dtype, jnp.floating):
         return jax.random.normal(key, d.shape, d.dtype)
     if jnp.issubdtype(d.dtype, jax.dtypes.prng_key):  # a dropout key, say
         return jax.random.split(key, d.shape)
     if d.dtype == jnp.bool_:
         return jax.random.bernoulli(key, 0.5, d.shape)
-    return jax.random.randint(key, d.shape, 0, 8, d.dtype)
+    ids = jax.random.randint(key, d.shape, 0, V, d.dtype)
+    edges = jnp.array([V - 1, 0, V - 2, 1, 2], d.dtype)[:d.shape[-1] if d.shape else 0]
+    return ids.at[..., :len(edges)].set(edges) if d.shape else ids
 
 
 # Why the fast path being checked handed calls to model.py's function (select clears it)

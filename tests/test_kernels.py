@@ -275,6 +275,24 @@ def test_an_edit_that_bfloat16_rounding_would_hide_sets_its_kernel_aside(monkeyp
     assert len(fast) == 3, err
 
 
+@pytest.mark.parametrize("token", ["last", "first"])
+def test_a_loss_edit_for_one_token_sets_the_fused_loss_aside(monkeypatch, capsys, token):
+    """No loss on one token id (an end-of-text: GPT-2's is the vocabulary's last id, BERT's
+    specials the first): the check draws the targets over the whole vocabulary, its edges
+    included, so the fused loss, which would train on that token, is set aside (it drew ids
+    below 8 only: a GPU run trained on end-of-text with the edit in model.py)."""
+    fast_paths = every_kernel(monkeypatch)
+    cfg = tiny(compute_dtype="bfloat16")
+    skipped = cfg.vocab_size - 1 if token == "last" else 0
+    plain = M.cross_entropy
+    monkeypatch.setattr(M, "cross_entropy", lambda h_TD, unembed_VD, mult, y_T: jnp.where(
+        y_T == skipped, 0.0, plain(h_TD, unembed_VD, mult, y_T)))
+    fast = fast_paths.select(cfg)
+    err = capsys.readouterr().err
+    assert "kernels: the fused readout cross-entropy set aside" in err, err
+    assert set(fast) == {"attend", "qk_norm_rope", "gelu"}, err
+
+
 def test_the_fast_paths_take_a_chunked_loss(monkeypatch, capsys):
     """--config.loss_chunks=2 (train.py's advice when memory runs out) with every fast path: the
     self-check traces train.loss_fn on as many sequences as it splits the batch into, all four

@@ -30,6 +30,7 @@ import numpy as np
 from etils import epath
 
 from inference.decode import in_float32
+from kernels.agreement import tokens
 from run import reading
 from text import tokenization
 from configs import Config
@@ -180,7 +181,6 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
     missing = [jax.tree_util.keystr(path)[1:] for path, x in leaves if id(x) not in read]
     V, block_size = config["vocab_size"], config["max_position_embeddings"]
-    rng = np.random.default_rng(0)
     try:
         torch_model = MuGPTForCausalLM(MuGPTConfig(**{**config, "dtype": "float32"})).eval()
         torch_model.load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
@@ -188,7 +188,7 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
         # before an edit made in this process (the tests')
         worst, scale, forward = 0.0, 1.0, eqx.filter_jit(lambda gpt, ids_T: gpt(ids_T))
         for T in (block_size, max(1, block_size // 4)):
-            ids_T = rng.integers(0, V, T)
+            ids_T = tokens(T, V, seed=T)  # special ids (the vocabulary's edges) among them
             # "highest": float32 matmuls on an accelerator too (TF32 would exceed RTOL)
             with jax.default_matmul_precision("highest"):
                 want_TV = np.asarray(forward(model, ids_T))[:, :V]

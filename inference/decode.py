@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import Config
-from kernels.agreement import TOLERANCE, relative_error
+from kernels.agreement import TOLERANCE, relative_error, tokens
 from model import GPT, KVCache
 from run.errors import UsageError
 
@@ -48,10 +48,10 @@ def in_float32(model: GPT, cfg: Config) -> GPT:
 
 
 @eqx.filter_jit
-def cached_and_full_logits(model: GPT, S: int) -> tuple[jax.Array, jax.Array]:
+def cached_and_full_logits(model: GPT, tokens_S: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Decoding's logits and the full forward's over S tokens: a prefill of S - 1 tokens into a
     cache of S, then one step at the last position, as generate runs them."""
-    tokens_S = (jnp.arange(S) * 7 + 3) % model.embeddings().embed.shape[0]
+    S = tokens_S.shape[0]
     x_SD, cache = extend(model, empty_cache(model, S), tokens_S.at[-1].set(0), 0)
     x_1D, _ = extend(model, cache, tokens_S[-1:], S - 1)
     return jnp.concatenate([model.logits(x_SD[:-1]), model.logits(x_1D)]), model(tokens_S)
@@ -61,11 +61,13 @@ def check_cache(model: GPT, cfg: Config, S: int) -> None:
     """A UsageError unless decoding with a cache of S gives the model's own logits: an edit of
     model.py that the cached path does not follow (a mask made where attend's mask_TS is None:
     decoding passes its own; learned positions that ignore hidden's start) would sample another
-    model than the one trained. One sequence of S tokens, the model's arrays computed in float32,
+    model than the one trained. One sequence of S tokens (special ids among them: a document mask
+    after an end-of-text must reach decoding too), the model's arrays computed in float32,
     matmuls at full precision: bfloat16's and a fused kernel's rounding, compounded over the
     layers, would hide a small difference or make one up."""
+    tokens_S = jnp.asarray(tokens(S, cfg.vocab_size))  # special tokens among them
     with jax.default_matmul_precision("float32"):
-        got_SV, want_SV = cached_and_full_logits(in_float32(model, cfg), S)
+        got_SV, want_SV = cached_and_full_logits(in_float32(model, cfg), tokens_S)
     if not jnp.isfinite(want_SV).all():  # the model's own logits overflow: nothing to compare
         return
     error = relative_error(got_SV, want_SV)  # position by position

@@ -7,6 +7,7 @@ from typing import Callable
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import model
 from configs import Config
@@ -35,6 +36,22 @@ def relative_error(a: jax.Array, b: jax.Array) -> float:
 def whole_relative_error(a: jax.Array, b: jax.Array) -> float:
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     return float(jnp.linalg.norm(a - b) / (jnp.linalg.norm(b) + 1e-30))
+
+
+def edge_ids(V: int) -> list[int]:
+    """The ids a tokenizer keeps for its special tokens sit at the vocabulary's edges (GPT-2's
+    end-of-text is V - 1; BERT's [PAD], [UNK], [CLS] the lowest): an edit may treat one apart (no
+    loss on it, a document mask after it), so every check's tokens hold them."""
+    return list(dict.fromkeys(i for i in (V - 1, 0, V - 2, 1, 2) if 0 <= i < V))
+
+
+def tokens(T: int, V: int, seed: int = 0) -> np.ndarray:
+    """T token ids for a check: random over the whole vocabulary, with edge_ids a third of the way
+    in, so that the tokens after them show what an edit keyed on them changes."""
+    ids = np.random.default_rng(seed).integers(0, V, T)
+    edges = edge_ids(V)[:T - T // 3]
+    ids[T // 3:T // 3 + len(edges)] = edges
+    return ids
 
 
 def spread(shape: tuple, dtype, seed: int) -> jax.Array:

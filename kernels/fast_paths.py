@@ -37,7 +37,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
 from kernels import cross_entropy as fused_cross_entropy, pallas_qk_norm_rope as pallas
-from kernels.agreement import (SCALES, TOLERANCE, check_one_readout, relative_error,
+from kernels.agreement import (SCALES, TOLERANCE, check_one_readout, edge_ids, relative_error,
                                whole_relative_error)
 from configs import Config
 from run.errors import UsageError
@@ -268,8 +268,7 @@ def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
 
 def draw(d: Drawn, key: jax.Array, V: int) -> jax.Array:
     """Values for an argument. Integers are token ids (the loss's targets), drawn over the whole
-    vocabulary V with its edges first in each row: the ids a tokenizer keeps for its special tokens
-    (GPT-2's end-of-text is V - 1, BERT's are the lowest), which an edit may treat apart."""
+    vocabulary V with its edges (agreement.edge_ids: special tokens) first in each row."""
     if jnp.issubdtype(d.dtype, jnp.floating):
         return jax.random.normal(key, d.shape, d.dtype)
     if jnp.issubdtype(d.dtype, jax.dtypes.prng_key):  # a dropout key, say
@@ -277,7 +276,7 @@ def draw(d: Drawn, key: jax.Array, V: int) -> jax.Array:
     if d.dtype == jnp.bool_:
         return jax.random.bernoulli(key, 0.5, d.shape)
     ids = jax.random.randint(key, d.shape, 0, V, d.dtype)
-    edges = jnp.array([V - 1, 0, V - 2, 1, 2], d.dtype)[:d.shape[-1] if d.shape else 0]
+    edges = jnp.array(edge_ids(V)[:d.shape[-1] if d.shape else 0], d.dtype)
     return ids.at[..., :len(edges)].set(edges) if d.shape else ids
 
 

@@ -157,3 +157,28 @@ def run_each(commands: list[list[str]], env: dict | None = None, timeout: int = 
     with concurrent.futures.ThreadPoolExecutor(len(commands)) as pool:
         return list(pool.map(lambda args, flag: run(args, {**(env or {}), **flag}, timeout),
                              commands, flags))
+
+
+def document_mask_after_end_of_text(monkeypatch, end_id: int):
+    """An edit of model.py: attention kept within documents, each closed by an end-of-text
+    (end_id; GPT-2's is the vocabulary's last id), made in GPT.hidden where it has no cache. The
+    full forward takes it; KV-cache decoding and an unedited export would attend across
+    documents. Neither check's tokens held that id before (tests of check_cache and export)."""
+    import jax.numpy as jnp
+    import model
+
+    plain_hidden, plain_positions, doc = model.GPT.hidden, model.positions, {}
+
+    def hidden(self, tokens_T, start=0, cache=None, key=None):
+        end_T = tokens_T == end_id
+        doc["T"] = None if cache is not None else jnp.cumsum(end_T) - end_T
+        return plain_hidden(self, tokens_T, start, cache, key)
+
+    def positions(q_T, S, *args):
+        at = plain_positions(q_T, S, *args)
+        if doc.get("T") is None:
+            return at
+        causal_TT = jnp.tril(jnp.ones((q_T.shape[0],) * 2, bool))
+        return at._replace(mask_TS=(doc["T"][:, None] == doc["T"][None]) & causal_TT)
+    monkeypatch.setattr(model.GPT, "hidden", hidden)
+    monkeypatch.setattr(model, "positions", positions)

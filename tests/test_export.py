@@ -18,7 +18,7 @@ import export
 import model as definition
 from inference import decode
 from run import reading
-from conftest import TINY_RUN, run, tiny
+from conftest import TINY_RUN, document_mask_after_end_of_text, run, tiny
 from run.errors import UsageError
 from test_model import random_gpt
 from test_variants import VARIANTS
@@ -287,12 +287,15 @@ def assert_refused(message: str, out, *names: str) -> None:
     assert not out.exists() and list(out.parent.iterdir()) == []  # no temporary folder either
 
 
-@pytest.mark.parametrize("edit", ["block", "mask"])
+@pytest.mark.parametrize("edit", ["block", "mask", "document-mask"])
 def test_edited_trained_model_is_refused_in_one_line(runs, edit, tmp_path, monkeypatch):
+    """document-mask: one keyed on the end-of-text id, which the check's tokens now hold."""
     if edit == "block":
         monkeypatch.setattr(definition.Block, "__call__", parallel_block)
-    else:
+    elif edit == "mask":
         monkeypatch.setattr(definition, "attend", local_attend)
+    else:
+        document_mask_after_end_of_text(monkeypatch, tiny().vocab_size - 1)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
         export.main([f"--rundir={runs['sp'][0]}", f"--out={out}"])

@@ -15,7 +15,7 @@ import model as M
 import sample
 from inference import decode
 import train
-from conftest import run as run_process, tiny
+from conftest import document_mask_after_end_of_text, run as run_process, tiny
 from test_model import random_gpt
 
 N_VOCAB = 65  # shakespeare_char's characters; the model pads its vocabulary to 128
@@ -275,10 +275,15 @@ def positions_without_start(monkeypatch):
                         + table_TD[:tokens_T.shape[0]])
 
 
-@pytest.mark.parametrize("edit", [window_in_the_default_mask, positions_without_start],
-                         ids=["window-in-attend", "positions-in-embed"])
+def document_mask_at_the_last_id(monkeypatch):
+    document_mask_after_end_of_text(monkeypatch, N_VOCAB - 1)
+
+
+@pytest.mark.parametrize("edit", [window_in_the_default_mask, positions_without_start,
+                                  document_mask_at_the_last_id],
+                         ids=["window-in-attend", "positions-in-embed", "document-mask"])
 def test_an_edit_decoding_does_not_follow_is_refused(run_dir, monkeypatch, capsys, edit):
-    """Two edits of model.py that training and the full forward take and KV-cache decoding does
+    """Edits of model.py that training and the full forward take and KV-cache decoding does
     not: sample.py refuses in one line (it sampled another model than the trained one, silently);
     training's preview writes the reason instead of a sample, and training goes on."""
     edit(monkeypatch)

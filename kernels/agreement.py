@@ -2,6 +2,7 @@
 measure that every check of a copy uses (a fast path's, fast_paths.py; the KV cache's,
 inference/decode.py), and the check of GPT's two paths to the readout (check_one_readout)."""
 import math
+import sys
 from typing import Callable
 
 import equinox as eqx
@@ -66,7 +67,9 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
     GPT.readout_inputs, which GPT.loss reads through model.cross_entropy (training's loss, and the
     fused one is checked against it): on a random readout of the run's shapes at each of SCALES.
     An edit in GPT.logits alone (a final soft-cap) would train one model and sample another: a
-    UsageError. Edits of model.cross_entropy (label smoothing, a z-loss) are the loss's own."""
+    UsageError. Edits of model.cross_entropy (label smoothing, a z-loss) are the loss's own, and
+    train; one line says so, since one that changes the logits themselves there (a soft-cap)
+    would also train a model that sampling does not read."""
     shapes = eqx.filter_eval_shape(model.GPT, cfg, fast)
     params, static = eqx.partition(shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     T, dtype = min(cfg.block_size, 8), jnp.dtype(cfg.compute_dtype)
@@ -77,16 +80,28 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
         drawn = [scale * spread(x.shape, x.dtype, i) for i, x in enumerate(leaves)]
         gpt = eqx.combine(jax.tree.unflatten(tree, drawn), static)
         x_TD = spread((T, cfg.d_model), dtype, -1)
-        return gpt.logits(x_TD), model.readout(*gpt.readout_inputs(x_TD), gpt.readout_mult)
+        inputs = (*gpt.readout_inputs(x_TD), gpt.readout_mult)
+        return gpt.logits(x_TD), model.readout(*inputs), model.cross_entropy(*inputs, y_T)
 
+    y_T = tokens(T, cfg.vocab_size)  # numpy: a jnp array made here would be traced (tools/sweeps)
     for scale in SCALES:  # the parameters' (the stream is normed before the readout)
         with jax.ensure_compile_time_eval():  # values, even where setup is traced (tools/sweeps)
-            logits, want = both(scale)
+            logits, want, loss_T = both(scale)
             if not jnp.isfinite(want).all():  # a readout that overflows (alpha_out=1e39): the
                 continue  # run's steps are non-finite, which train.py reports; nothing to compare
             error = relative_error(logits, want)
+            label_T = jnp.take_along_axis(want, jnp.asarray(y_T)[:, None], -1)[:, 0]
+            plain_T = jax.nn.logsumexp(want, -1) - label_T
+            loss_error = relative_error(loss_T, plain_T)
         if not error <= TOLERANCE[cfg.compute_dtype]:
             raise UsageError(f"model.GPT.logits is not model.readout, which training's loss reads "
                              f"(they differ by {error:.3g} relative): an edit in GPT.logits "
                              "reaches sampling, eval.py and the export but not training; make it "
                              "in model.readout")
+        if scale == SCALES[0] and not loss_error <= TOLERANCE[cfg.compute_dtype]:
+            if jax.process_index() == 0:
+                print(f"note: model.cross_entropy is not the cross-entropy of model.readout's "
+                      f"logits (they differ by {loss_error:.3g} relative): training optimises and "
+                      "logs its own loss (label smoothing, say), while sampling, eval.py and the "
+                      "export read model.readout; a change to the logits themselves (a soft-cap) "
+                      "belongs there", file=sys.stderr, flush=True)

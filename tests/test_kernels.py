@@ -423,6 +423,28 @@ def test_an_edit_to_the_loss_sets_the_fused_cross_entropy_aside(monkeypatch, cap
     np.testing.assert_allclose(train.objective(gpt, tokens, y, cfg), want, rtol=1e-5)
 
 
+def test_a_loss_that_is_not_the_readouts_cross_entropy_is_said(monkeypatch, capsys):
+    """A soft-cap on the logits made inside model.cross_entropy trains (the loss's own edit, as
+    label smoothing is) a model whose logits sampling, eval.py and the export do not read: one
+    line at the start says so and names model.readout. Unedited, nothing is said."""
+    fast_paths = every_kernel(monkeypatch)
+    fast_paths.select(tiny())
+    assert "note: model.cross_entropy" not in capsys.readouterr().err
+
+    def capped(h_TD, unembed_VD, mult, y_T):
+        logits_TV = 3.0 * jnp.tanh(M.readout(h_TD, unembed_VD, mult) / 3.0)
+        label_T = jnp.take_along_axis(logits_TV, y_T[:, None], axis=-1)[:, 0]
+        return jax.nn.logsumexp(logits_TV, axis=-1) - label_T
+
+    monkeypatch.setattr(M, "cross_entropy", capped)
+    assert "cross_entropy" not in fast_paths.select(tiny())
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and notes[0].startswith(
+        "note: model.cross_entropy is not the cross-entropy of model.readout's logits (they "
+        "differ by "), notes
+    assert notes[0].endswith("a change to the logits themselves (a soft-cap) belongs there")
+
+
 def test_a_loss_that_takes_the_logits_leaves_the_fused_cross_entropy_unused(monkeypatch, capsys):
     """train.loss_fn edited as the README's z-loss, from model.logits rather than model.loss: the
     self-check traces the loss as edited, says the fused cross-entropy is unused, and fuses the rest."""

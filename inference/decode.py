@@ -75,8 +75,9 @@ def check_cache(model: GPT, cfg: Config, S: int) -> None:
         raise UsageError(f"decoding with a KV cache does not give the model's own logits (they "
                          f"differ by {error:.3g} relative over {S} tokens): an edit of model.py "
                          "reaches its forward but not GPT.hidden with a cache (a mask made where "
-                         "attend's mask_TS is None, positions that ignore start); make both "
-                         "follow it")
+                         "attend's mask_TS is None, positions that ignore start, SharedKV's keys "
+                         "changed in Attention.project: the cache branch of Attention.__call__ "
+                         "uses the values as keys); make both follow it")
 
 
 def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: int,

@@ -172,11 +172,12 @@ def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool =
 
 def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: dict) -> None:
     """Refuses (UsageError, one line) unless hf/modeling_mugpt.py's model with these weights, in
-    float32, computes model.py's logits on a full block and a short sequence, and every array of
-    the model is carried by an exported tensor."""
+    float32, computes model.py's logits on a full block and a short sequence (in one pass, and
+    the last token by its KV cache as generate decodes), and every array of the model is carried
+    by an exported tensor."""
     import torch
     from hf.configuration_mugpt import MuGPTConfig
-    from hf.modeling_mugpt import MuGPTForCausalLM
+    from hf.modeling_mugpt import CACHE, MuGPTForCausalLM
 
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
     missing = [jax.tree_util.keystr(path)[1:] for path, x in leaves if id(x) not in read]
@@ -193,7 +194,14 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
             with jax.default_matmul_precision("highest"):
                 want_TV = np.asarray(forward(model, ids_T))[:, :V]
             with torch.no_grad():
-                got_TV = torch_model(torch.from_numpy(ids_T)[None]).logits[0].numpy()
+                ids = torch.from_numpy(ids_T)[None]
+                got_TV = torch_model(ids).logits[0].numpy()
+                if T > 1:  # and its KV-cache decoding (generate's): a prefill, then one step
+                    prefill = torch_model(ids[:, :-1], use_cache=True)
+                    step = torch_model(ids[:, -1:], past_key_values=getattr(prefill, CACHE),
+                                       use_cache=True)
+                    got_TV = np.concatenate([got_TV, step.logits[0].numpy()])
+                    want_TV = np.concatenate([want_TV, want_TV[-1:]])
             worst = max(worst, float(np.abs(got_TV - want_TV).max()))
             scale = max(scale, float(np.abs(want_TV).max()))
         differs = f"max |PyTorch - JAX| logit {worst:.3g} (bound {RTOL * scale:.2g})"

@@ -303,6 +303,30 @@ def test_edited_trained_model_is_refused_in_one_line(runs, edit, tmp_path, monke
     assert_refused(e.value.code, out)
 
 
+def test_a_modeling_file_whose_cached_decoding_differs_is_refused(tmp_path, monkeypatch):
+    """hf/modeling_mugpt.py's KV-cache path (generate's) edited apart from its full forward: each
+    cached step rotated as position 0. Its one-pass logits still equal model.py's; the self-check
+    also decodes the last token by the cache, and refuses (it checked the one pass alone)."""
+    from hf.modeling_mugpt import MuGPTForCausalLM
+    import torch
+    plain = MuGPTForCausalLM.forward
+
+    def forward(self, input_ids, *args, past_key_values=None, **kwargs):
+        if past_key_values is not None and past_key_values.get_seq_length():
+            kwargs["position_ids"] = torch.zeros_like(input_ids)
+        return plain(self, input_ids, *args, past_key_values=past_key_values, **kwargs)
+    monkeypatch.setattr(MuGPTForCausalLM, "forward", forward)
+    cfg = tiny()
+    leaves, tree = jax.tree.flatten(definition.GPT(cfg))
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    gpt = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape)
+                                    for x, k in zip(leaves, keys)])
+    out = tmp_path / "out"
+    with pytest.raises(UsageError) as e:
+        export.write(gpt, cfg, CHARS, out)
+    assert_refused(f"error: {e.value}", out)
+
+
 @pytest.mark.parametrize("bias", ["random", "zero"])
 def test_new_parameter_is_refused_and_named(bias, tmp_path, monkeypatch):
     """A bias that export.py does not convert: named, even while it is zero (logits equal)."""

@@ -40,7 +40,6 @@ from kernels import cross_entropy as fused_cross_entropy, pallas_qk_norm_rope as
 from kernels.agreement import (SCALES, TOLERANCE, check_one_readout, edge_ids, relative_error,
                                whole_relative_error)
 from configs import Config
-from run.errors import UsageError
 
 SPLASH_BLOCK = 128  # splash attention's default blocks of queries and keys
 

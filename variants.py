@@ -93,7 +93,6 @@ def measure(rundir: Path, args: list[str]) -> dict:
     from run import checkpoint
     import configs
     import data
-    from run import metrics
     import params
     from inference import decode
     import train

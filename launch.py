@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> None:
                 if undo and not began:
                     undo()
                 raise
+            finally:  # done or undone: a later signal in this process must not undo again
+                UNDO.clear()
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
 

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import model
 from configs import Config
@@ -90,8 +91,7 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
             if not jnp.isfinite(want).all():  # a readout that overflows (alpha_out=1e39): the
                 continue  # run's steps are non-finite, which train.py reports; nothing to compare
             error = relative_error(logits, want)
-            label_T = jnp.take_along_axis(want, jnp.asarray(y_T)[:, None], -1)[:, 0]
-            plain_T = jax.nn.logsumexp(want, -1) - label_T
+            plain_T = optax.softmax_cross_entropy_with_integer_labels(want, jnp.asarray(y_T))
             loss_error = relative_error(loss_T, plain_T)
         if not error <= TOLERANCE[cfg.compute_dtype]:
             raise UsageError(f"model.GPT.logits is not model.readout, which training's loss reads "

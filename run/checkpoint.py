@@ -184,11 +184,12 @@ def resume(mngr: ocp.CheckpointManager, model: GPT, opt_state, set_aside: bool =
             else:
                 found = step, *restore_checkpoint(mngr, model, opt_state, step)
         except Damaged as e:
-            names = (f"{step}.damaged{n or ''}" for n in range(1000))  # damaged again: .damaged1
-            aside = next(n for n in names if not (mngr.directory / n).exists())
-            if not set_aside:
+            aside = None  # --debug's look: the step stays where it is
+            if set_aside:
+                names = (f"{step}.damaged{n or ''}" for n in range(1000))  # again: .damaged1
+                aside = next(n for n in names if not (mngr.directory / n).exists())
+            else:
                 left.append(str(step))
-                aside = None
             if first and aside:  # process 0 alone renames; the others find the same damage
                 (mngr.directory / str(step)).rename(mngr.directory / aside)
             if first:

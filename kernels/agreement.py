@@ -68,9 +68,10 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
     GPT.readout_inputs, which GPT.loss reads through model.cross_entropy (training's loss, and the
     fused one is checked against it): on a random readout of the run's shapes at each of SCALES.
     An edit in GPT.logits alone (a final soft-cap) would train one model and sample another: a
-    UsageError. Edits of model.cross_entropy (label smoothing, a z-loss) are the loss's own, and
-    train; one line says so, since one that changes the logits themselves there (a soft-cap)
-    would also train a model that sampling does not read."""
+    UsageError. Edits of model.cross_entropy are the loss's own, and train; one line says which
+    kind: a loss of the readout's softmax alone (label smoothing: the same logits shifted by a
+    constant give the same loss) trains the model sampling reads, while one that reads more of
+    the logits (a soft-cap, or a z-loss that belongs in train.loss_fn's objective) may not."""
     shapes = eqx.filter_eval_shape(model.GPT, cfg, fast)
     params, static = eqx.partition(shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     T, dtype = min(cfg.block_size, 8), jnp.dtype(cfg.compute_dtype)
@@ -81,27 +82,48 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
         drawn = [scale * spread(x.shape, x.dtype, i) for i, x in enumerate(leaves)]
         gpt = eqx.combine(jax.tree.unflatten(tree, drawn), static)
         x_TD = spread((T, cfg.d_model), dtype, -1)
-        inputs = (*gpt.readout_inputs(x_TD), gpt.readout_mult)
-        return gpt.logits(x_TD), model.readout(*inputs), model.cross_entropy(*inputs, y_T)
+        h_TD, unembed_VD = gpt.readout_inputs(x_TD)
+        inputs = h_TD, unembed_VD, gpt.readout_mult
+        # the same logits, each position's shifted by a constant that a softmax does not see: one
+        # more feature, the constant, read with weight 1 / mult (in float32: no new rounding)
+        h_TD, unembed_VD = h_TD.astype(jnp.float32), unembed_VD.astype(jnp.float32)
+        shifted = (jnp.concatenate([h_TD, 3 * spread((T, 1), jnp.float32, -2)], 1),
+                   jnp.pad(unembed_VD, ((0, 0), (0, 1)), constant_values=1 / gpt.readout_mult))
+        return (gpt.logits(x_TD), model.readout(*inputs), model.cross_entropy(*inputs, y_T),
+                model.cross_entropy(h_TD, unembed_VD, gpt.readout_mult, y_T),
+                model.cross_entropy(*shifted, gpt.readout_mult, y_T))
 
     y_T = tokens(T, cfg.vocab_size)  # numpy: a jnp array made here would be traced (tools/sweeps)
     for scale in SCALES:  # the parameters' (the stream is normed before the readout)
         with jax.ensure_compile_time_eval():  # values, even where setup is traced (tools/sweeps)
-            logits, want, loss_T = both(scale)
+            logits, want, loss_T, loss32_T, shifted_T = both(scale)
             if not jnp.isfinite(want).all():  # a readout that overflows (alpha_out=1e39): the
                 continue  # run's steps are non-finite, which train.py reports; nothing to compare
             error = relative_error(logits, want)
             plain_T = optax.softmax_cross_entropy_with_integer_labels(want, jnp.asarray(y_T))
             loss_error = relative_error(loss_T, plain_T)
+            shift_error = relative_error(shifted_T, loss32_T)
         if not error <= TOLERANCE[cfg.compute_dtype]:
             raise UsageError(f"model.GPT.logits is not model.readout, which training's loss reads "
                              f"(they differ by {error:.3g} relative): an edit in GPT.logits "
                              "reaches sampling, eval.py and the export but not training; make it "
                              "in model.readout")
         if scale == SCALES[0] and not loss_error <= TOLERANCE[cfg.compute_dtype]:
-            if jax.process_index() == 0:
-                print(f"note: model.cross_entropy is not the cross-entropy of model.readout's "
-                      f"logits (they differ by {loss_error:.3g} relative): training optimises and "
-                      "logs its own loss (label smoothing, say), while sampling, eval.py and the "
-                      "export read model.readout; a change to the logits themselves (a soft-cap) "
-                      "belongs there", file=sys.stderr, flush=True)
+            say_the_loss_is_its_own(loss_error, shift_error <= TOLERANCE["float32"])
+
+
+def say_the_loss_is_its_own(error: float, of_the_softmax: bool) -> None:
+    """One line at the start, on process 0: which kind of loss model.cross_entropy now is."""
+    head = (f"note: model.cross_entropy is not the cross-entropy of model.readout's logits (they "
+            f"differ by {error:.3g} relative)")
+    if of_the_softmax:
+        tail = ("; it reads them only through their softmax (label smoothing, say): training "
+                "optimises and logs that loss (loss/ is not a plain cross-entropy's), and "
+                "sampling, eval.py and the export read the same model.readout")
+    else:
+        tail = (" and reads more of them than their softmax: a change to the logits themselves "
+                "(a soft-cap) trains a model that sampling, eval.py and the export do not read: "
+                "make it in model.readout; a term on the logits (a z-loss) belongs in "
+                "train.loss_fn's objective, so loss/ stays the cross-entropy")
+    if jax.process_index() == 0:
+        print(head + tail, file=sys.stderr, flush=True)

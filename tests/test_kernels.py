@@ -423,26 +423,40 @@ def test_an_edit_to_the_loss_sets_the_fused_cross_entropy_aside(monkeypatch, cap
     np.testing.assert_allclose(train.objective(gpt, tokens, y, cfg), want, rtol=1e-5)
 
 
-def test_a_loss_that_is_not_the_readouts_cross_entropy_is_said(monkeypatch, capsys):
-    """A soft-cap on the logits made inside model.cross_entropy trains (the loss's own edit, as
-    label smoothing is) a model whose logits sampling, eval.py and the export do not read: one
-    line at the start says so and names model.readout. Unedited, nothing is said."""
+def capped(logits_TV):  # a soft-cap: other logits, so another model than sampling reads
+    return 3.0 * jnp.tanh(logits_TV / 3.0)
+
+
+def smoothed(logits_TV):  # label smoothing's targets, as a loss of the readout's softmax
+    return logits_TV
+
+
+@pytest.mark.parametrize("edit,smoothing,said", [
+    (capped, 0.0, "and reads more of them than their softmax: a change to the logits themselves"),
+    (smoothed, 0.1, "; it reads them only through their softmax (label smoothing, say)")])
+def test_a_loss_that_is_not_the_readouts_cross_entropy_is_said(monkeypatch, capsys, edit,
+                                                               smoothing, said):
+    """model.cross_entropy edited is the loss's own, and trains: one line at the start says which
+    kind it is. A soft-cap made there trains a model whose logits sampling, eval.py and the export
+    do not read (the line names model.readout); label smoothing (optax's) is a loss of the same
+    softmax they read. Unedited, nothing is said."""
+    import optax
     fast_paths = every_kernel(monkeypatch)
     fast_paths.select(tiny())
     assert "note: model.cross_entropy" not in capsys.readouterr().err
 
-    def capped(h_TD, unembed_VD, mult, y_T):
-        logits_TV = 3.0 * jnp.tanh(M.readout(h_TD, unembed_VD, mult) / 3.0)
-        label_T = jnp.take_along_axis(logits_TV, y_T[:, None], axis=-1)[:, 0]
-        return jax.nn.logsumexp(logits_TV, axis=-1) - label_T
+    def cross_entropy(h_TD, unembed_VD, mult, y_T):
+        logits_TV = edit(M.readout(h_TD, unembed_VD, mult))
+        labels_TV = optax.smooth_labels(jax.nn.one_hot(y_T, logits_TV.shape[-1]), smoothing)
+        return optax.softmax_cross_entropy(logits_TV, labels_TV)
 
-    monkeypatch.setattr(M, "cross_entropy", capped)
+    monkeypatch.setattr(M, "cross_entropy", cross_entropy)
     assert "cross_entropy" not in fast_paths.select(tiny())
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
     assert len(notes) == 1 and notes[0].startswith(
         "note: model.cross_entropy is not the cross-entropy of model.readout's logits (they "
         "differ by "), notes
-    assert notes[0].endswith("a change to the logits themselves (a soft-cap) belongs there")
+    assert said in notes[0], notes
 
 
 def test_a_loss_that_takes_the_logits_leaves_the_fused_cross_entropy_unused(monkeypatch, capsys):

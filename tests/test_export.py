@@ -18,7 +18,7 @@ import export
 import model as definition
 from inference import decode
 from run import reading
-from conftest import TINY_RUN, document_mask_after_end_of_text, run, tiny
+from conftest import TINY_RUN, document_mask_after_end_of_text, run, run_each, tiny
 from run.errors import UsageError
 from test_model import random_gpt
 from test_variants import VARIANTS
@@ -27,20 +27,20 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak."
-# name -> (launch.py arguments beyond TINY_RUN, environment)
+# name -> (launch.py arguments beyond TINY_RUN, simulated devices: None for one)
 RUNS = {
     # SP, untied; more steps so that greedy decoding is not one repeated character
     "sp": (["--config.param=sp", "--config.max_steps=60", "--config.learning_rate=1e-2",
-            "--config.min_lr=1e-2"], {}),
+            "--config.min_lr=1e-2"], None),
     # muP at width_mult 2 and depth_mult 2 (readout 1/2, branches 1/2), tied, norm gains, alpha_in
     "mup_tied": (["--config.param=mup", "--config.d_base=16", "--config.depth_base=1",
                   "--config.tie_embeddings=true", "--config.norm_gain=true",
-                  "--config.alpha_in=1.5", "--config.max_steps=10"], {}),
+                  "--config.alpha_in=1.5", "--config.max_steps=10"], None),
     # 4 devices: every matrix sharded 4 ways in the checkpoint
-    "fsdp4": (["--config.max_steps=10"], {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}),
+    "fsdp4": (["--config.max_steps=10"], 4),
     # every variant at once, through launch.py's config.json and the checkpoint as export.py reads them
     "variants": (["--config.attention=sharedkv", "--config.n_kv_head=1", "--config.position=alibi",
-                  "--config.connections=mudd", "--config.max_steps=10"], {}),
+                  "--config.connections=mudd", "--config.max_steps=10"], None),
 }
 
 
@@ -48,14 +48,14 @@ RUNS = {
 def runs(shakespeare, tmp_path_factory):
     """Each run's directory and its export."""
     root = tmp_path_factory.mktemp("export")
+    done = run_each([["launch.py", *TINY_RUN, "--config.eval_batches=1", f"--rundir={root / name}",
+                      *args] for name, (args, _) in RUNS.items()],
+                    devices=[n for _, n in RUNS.values()])  # all at once: each compiles alone
     out = {}
-    for name, (args, env) in RUNS.items():
-        rundir = root / name
-        r = run(["launch.py", *TINY_RUN, "--config.eval_batches=1", f"--rundir={rundir}", *args],
-                env)
+    for name, r in zip(RUNS, done):
         assert r.returncode == 0, r.stderr[-2000:]
-        export.export(epath.Path(rundir), root / f"{name}_hf")
-        out[name] = rundir, root / f"{name}_hf"
+        export.export(epath.Path(root / name), root / f"{name}_hf")
+        out[name] = root / name, root / f"{name}_hf"
     return out
 
 

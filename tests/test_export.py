@@ -85,6 +85,35 @@ def test_pytorch_logits_equal_jax_logits(runs, name):
     assert np.abs(want_TV[:, :65]).max() > 0.1  # a trained readout, not zeros
 
 
+def test_pytorch_loss_of_labels_is_the_cross_entropy_over_the_tokenizers_ids(runs):
+    """transformers' loss (labels=ids: the model shifts them; a Trainer's fine-tuning and a
+    perplexity read it) is numpy's cross-entropy of JAX's logits over the tokenizer's 65 ids, as
+    eval.py and sample.py read them; a label of -100 is left out of the mean. The logged loss
+    (train.loss_fn's) is over the padded 128 (vocab_multiple), so it is higher by the mass left on
+    the padding ids: -log(1 - mass), a few 1e-3 after 60 steps (docs/data.md)."""
+    import train
+    model, cfg, hf, tokenizer = load(*runs["sp"])
+    ids = tokenizer(TEXT[:cfg.block_size])["input_ids"]  # a block: T - 1 targets
+    logits_TV = np.asarray(model(jnp.asarray(ids)), np.float64)[:-1]
+
+    def cross_entropy(logits_TV, y_T):
+        lse_T = np.log(np.exp(logits_TV - logits_TV.max(1, keepdims=True)).sum(1)) + logits_TV.max(1)
+        return float(np.mean(lse_T - logits_TV[np.arange(len(y_T)), y_T]))
+
+    y_T = np.array(ids[1:])
+    with torch.no_grad():
+        got = float(hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
+        masked = torch.tensor([ids[:-3] + [-100] * 3])  # the last three targets left out
+        got_masked = float(hf(torch.tensor([ids]), labels=masked).loss)
+    assert got == pytest.approx(cross_entropy(logits_TV[:, :65], y_T), rel=1e-5)
+    assert got_masked == pytest.approx(cross_entropy(logits_TV[:-3, :65], y_T[:-3]), rel=1e-5)
+    logged = float(train.loss_fn(model, jnp.asarray([ids[:-1]]), jnp.asarray([ids[1:]]), cfg)[1])
+    assert logged == pytest.approx(cross_entropy(logits_TV, y_T), rel=1e-5)
+    mass_T = np.exp(logits_TV[:, 65:]).sum(1) / np.exp(logits_TV).sum(1)
+    assert logged - got == pytest.approx(-np.log1p(-mass_T).mean(), rel=1e-2, abs=1e-6)
+    assert 0 < logged - got < 0.01, (logged, got)
+
+
 def test_greedy_generate_equals_sample_py(runs):
     """transformers' generate (with its KV cache) against sample.generate at temperature 0, within
     the block (sample.py slides its window beyond it, transformers does not)."""

@@ -61,6 +61,10 @@ MUTATIONS = {
         "export.py", [('"attn.out.weight": T(a(b.attn.out).reshape(L, -1, D)),',
                        '"attn.out.weight": a(b.attn.out).reshape(L, -1, D),')],
         ["tests/test_export.py::test_variant_pytorch_logits_equal_jax_logits"]),
+    "export: the loss of labels= not shifted by one": (
+        "hf/modeling_mugpt.py", [("labels[:, 1:].flatten()", "labels[:, :-1].flatten()")],
+        ["tests/test_export.py::"
+         "test_pytorch_loss_of_labels_is_the_cross_entropy_over_the_tokenizers_ids"]),
     "batch of step s read as step s+1's": (
         "data.py", [("default_rng([seed, stream, step])", "default_rng([seed, stream, step + 1])")],
         ["tests/test_data.py::test_the_batch_of_each_step_is_the_documented_one",

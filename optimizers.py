@@ -185,6 +185,13 @@ def lr_schedule(cfg: Config):
     return lr
 
 
+def applied_lr(schedule, opt_state) -> float:
+    """The LR of the last update applied (0 before any), the one train.py logs as "lr": the
+    schedule at the count of scale_by_policy's state (make_optimizer's last link). A skipped
+    (non-finite) step leaves that count as it was, so after one the LR lags schedule(step)."""
+    return float(schedule(int(opt_state[-1].count) - 1))
+
+
 def check_extension(old: Config, new: Config, step: int) -> None:
     """A WSD run resumed at `step` with another max_steps or decay: allowed while every step taken
     was before both schedules' decay (the stable phase), where the two agree, so the run resumes

@@ -21,7 +21,7 @@ from configs import Config
 from inference import decode, tasks
 from kernels import fast_paths
 from model import GPT
-from optimizers import lr_schedule, make_optimizer
+from optimizers import applied_lr, lr_schedule, make_optimizer
 from params import flops_per_token, init_gpt, partition_specs, policy_table
 from run.checkpoint import checkpoint_manager, one_line, resume, save_checkpoint
 from run.distributed import stop_signals
@@ -267,7 +267,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
 
     def log_eval(step: int, tokens_per_s: float | None) -> dict:
         record = evaluate(model, cfg, train_tokens, val_tokens, mesh)
-        record |= {"lr": float(schedule(step)), "tokens_per_s": tokens_per_s}
+        record |= {"lr": applied_lr(schedule, opt_state), "tokens_per_s": tokens_per_s}
         logger.log(step, record, {f"{split}_{what}": f"{what}/{split}" for split in ("train", "val")
                                   for what in ("loss", "objective")})  # loss/train ...
         tasks.log_in_training(eval_tasks, model, cfg, step, mesh, logger)  # when due
@@ -318,7 +318,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
                     tokens = (done - t0_step) * cfg.batch_size * cfg.block_size
                     tokens_per_s = tokens / (time.perf_counter() - t0) if done > t0_step else None
                     mfu = tokens_per_s * flops / peak if peak and tokens_per_s else None
-                    record |= {"lr": float(schedule(done - 1)), "tokens_per_s": tokens_per_s,
+                    record |= {"lr": applied_lr(schedule, opt_state), "tokens_per_s": tokens_per_s,
                                "mfu": mfu}
                     logger.log(done, record, tags)
                     loss = math.nan if record["loss"] is None else record["loss"]

@@ -274,11 +274,20 @@ def abstract(tree):
 
 def check_fits(mngr: ocp.CheckpointManager, step: int, target: dict) -> None:
     """An edited model.py meets an older checkpoint here: the arrays that differ are named, not
-    dumped as orbax's trees. Only the saved parts that target asks for are compared."""
+    dumped as orbax's trees. Only the saved parts that target asks for are compared. Dtypes too:
+    orbax would cast a float32 array into a bfloat16 parameter, whose sums then differ from those
+    saved, and verify would call every intact checkpoint damaged and set it aside."""
     metadata = ocp.StandardCheckpointer().metadata(state_dir(mngr, step))
-    ours = shapes(target)
-    saved = {k: v for k, v in shapes(metadata.item_metadata).items() if k.split(".")[0] in target}
-    diff = [f"{k} {saved.get(k, 'absent')} there, {ours.get(k, 'absent')} here"
+    ours = shapes(target, dtypes=True)
+    saved = {k: v for k, v in shapes(metadata.item_metadata, dtypes=True).items()
+             if k.split(".")[0] in target}
+
+    def said(layout, other):  # its shape, and its dtype where the shapes agree
+        if layout is None:
+            return "absent"
+        return f"{layout[0]} {layout[1]}" if other and other[0] == layout[0] else f"{layout[0]}"
+
+    diff = [f"{k} {said(saved.get(k), ours.get(k))} there, {said(ours.get(k), saved.get(k))} here"
             for k in sorted(ours | saved) if ours.get(k) != saved.get(k)]
     if diff:
         raise UsageError(f"the checkpoint of step {step} does not fit the model that model.py and "
@@ -345,14 +354,15 @@ def state_dir(mngr: ocp.CheckpointManager, step: int) -> epath.Path:
     return mngr.directory / str(step) / "state"
 
 
-def shapes(tree) -> dict[str, tuple]:
+def shapes(tree, dtypes: bool = False) -> dict[str, tuple]:
     """{"model.blocks.mlp.up": shape, ...}: the arrays of a tree of modules, optax states or
-    orbax's metadata."""
+    orbax's metadata; dtypes: (shape, dtype name) each."""
     def name(k):
         return str(next((getattr(k, a) for a in ("key", "name", "idx") if hasattr(k, a)), k))
 
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {".".join(map(name, path)): tuple(x.shape) for path, x in leaves}
+    layout = lambda x: (tuple(x.shape), np.dtype(x.dtype).name) if dtypes else tuple(x.shape)
+    return {".".join(map(name, path)): layout(x) for path, x in leaves}
 
 
 @contextlib.contextmanager

@@ -298,7 +298,8 @@ def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shak
                                                                             env):
     """alpha_out=1e39 is inf in float32: every loss is non-finite, so every step is skipped. After
     max_nonfinite=3 the run stops with one line; the checkpoint of step 2 holds the untouched
-    initial parameters (drawn again here) and zero Adam moments."""
+    initial parameters (drawn again here) and zero Adam moments. The logged "lr", the last
+    applied update's, is 0: none was (not the schedule of the step, which no update used)."""
     rundir = tmp_path / "run"
     overrides = ["--config.alpha_out=1e39", "--config.max_nonfinite=3", "--config.log_interval=1",
                  "--config.ckpt_interval=2", "--config.max_steps=50"]
@@ -307,6 +308,7 @@ def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shak
     steps = [rec for rec in records(rundir) if "skipped" in rec]
     got = [(rec["step"], rec["skipped"], rec["loss"]) for rec in steps]
     assert got == [(1, 1, None), (2, 2, None), (3, 3, None)]
+    assert all(rec["lr"] == 0.0 for rec in records(rundir)), records(rundir)  # none applied
     assert committed_steps(rundir) == [2]
     cfg = tiny_config(*overrides)
     state = final_state(rundir, cfg)

@@ -8,7 +8,9 @@ import re
 import shutil
 import subprocess
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -283,6 +285,27 @@ def test_a_checkpoint_of_another_model_is_not_called_damaged(tmp_path):
                                          "model.blocks.mlp.down"):
         resume(checkpoint_manager(epath.Path(tmp_path), edited), s2.model, s2.opt_state)
     assert committed_steps(tmp_path) == [3]
+
+
+def test_a_checkpoint_of_another_dtype_is_not_called_damaged(tmp_path):
+    """model.py edited to store a parameter in bfloat16: the float32 checkpoints are intact, of
+    another model. One line naming the array and both dtypes, each step kept under its name (orbax
+    cast the array, its sums differed from the saved ones, and every step was renamed damaged)."""
+    cfg = tiny()
+    s = train.setup(cfg, train.make_mesh(cfg))
+    mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
+    for step in (2, 3):
+        save_checkpoint(mngr, step, s.model, s.opt_state, {})
+    mngr.wait_until_finished()
+    s2 = train.setup(cfg, train.make_mesh(cfg))
+    up = s2.model.blocks.mlp.up
+    model = eqx.tree_at(lambda m: m.blocks.mlp.up, s2.model, up.astype(jnp.bfloat16))
+    with pytest.raises(UsageError, match=re.escape(
+            f"does not fit the model that model.py and the config build: model.blocks.mlp.up "
+            f"{up.shape} float32 there, {up.shape} bfloat16 here (run.json")):
+        resume(checkpoint_manager(epath.Path(tmp_path), cfg), model, s2.opt_state)
+    assert committed_steps(tmp_path) == [2, 3]
+    assert not [p.name for p in tmp_path.glob("checkpoints/*damaged*")]
 
 
 @pytest.fixture

@@ -277,6 +277,11 @@ def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5  # it learns
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [5, 10, 15, 20, 25, 30] and steps[-1]["tokens_per_s"] > 0
+    # "lr": the LR of the last update applied, in a step's evaluation record as in its step record
+    # (the evaluation's was the next step's): in warmup, update s - 1's learning_rate * s / warmup
+    for r in records:
+        want = cfg["learning_rate"] * r["step"] / cfg["warmup_steps"]
+        assert r["lr"] == pytest.approx(want, rel=1e-6), r
     acc = EventAccumulator(str(rundir))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

@@ -331,9 +331,9 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
                 if done % cfg.eval_interval == 0 or done == cfg.max_steps:
                     last = log_eval(done, tokens_per_s)
                     t0, t0_step = time.perf_counter(), done  # evaluation is not training throughput
-                # save a checkpoint
                 if not debug and (done % cfg.ckpt_interval == 0 or done == cfg.max_steps or stop):
                     save(done)
+                    t0, t0_step = time.perf_counter(), done  # nor is a save's (its blocking part)
                 # stop on a signal or preemption, saved
                 if stop:
                     what = signal.Signals(caught[0]).name if caught else "preemption"

@@ -175,6 +175,24 @@ def test_an_edit_to_the_loss_reaches_the_gradient(monkeypatch):
     assert float(after["grad_norm"]) != pytest.approx(float(before["grad_norm"]), rel=1e-2)
 
 
+def test_a_save_is_left_out_of_the_logged_throughput(tmp_path, monkeypatch):
+    """A checkpoint save (made 3 s long here) is left out of tokens_per_s, as an evaluation is:
+    the logs after it read the steps' throughput. Counted in, 3 s over a few tiny steps hold the
+    rate below 1/50 of the steps' (tokens_per_s, and MFU with it, fell after every save)."""
+    import json
+    import time
+    cfg = tiny(max_steps=12, eval_interval=100, log_interval=1, ckpt_interval=6)
+    saving = train.save_checkpoint
+    monkeypatch.setattr(train, "save_checkpoint", lambda *a: time.sleep(3.0) or saving(*a))
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    (rundir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    train.train(cfg, rundir)
+    rate = {r["step"]: r["tokens_per_s"] for r in map(json.loads, (rundir / "metrics.jsonl").open())
+            if r.get("tokens_per_s") and "val_loss" not in r}
+    assert rate[9] > rate[5] / 5, rate  # steps 7 to 9, after the save at step 6
+
+
 def test_logged_losses_are_the_cross_entropy_whatever_the_objective(monkeypatch, shakespeare,
                                                                     tmp_path):
     """Two runs of 2 steps from the same parameters, one with a z-loss added to the objective:

@@ -18,7 +18,7 @@ import export
 import model as definition
 from inference import decode
 from run import reading
-from conftest import TINY_RUN, document_mask_after_end_of_text, run, run_each, tiny
+from conftest import TINY_RUN, document_mask_after_end_of_text, run_each, tiny
 from run.errors import UsageError
 from test_model import random_gpt
 from test_variants import VARIANTS

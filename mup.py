@@ -30,11 +30,11 @@ import numpy as np
 
 import configs
 import model as M
+import optimizers
 import params
 from tools import plots
 from tools.sweeps import coord_check, train_runs
 from run import rundir
-import train
 from configs import Config
 from run.errors import ArgumentParser, RunError, UsageError
 
@@ -110,7 +110,7 @@ def rules() -> dict:
     """The rules' fingerprint: every policy row's multipliers and init std, the forward
     multipliers and the LR schedule at a reference shape where no factor is 1 (m = 4, d = 2), as
     the code computes them now. evidence.json records it: a rule changed in params.py, model.py
-    or train.py's schedule makes the evidence stale (tests/test_mup.py)."""
+    or optimizers.py's schedule makes the evidence stale (tests/test_mup.py)."""
     ref = Config(param="mup", d_model=128, n_head=4, d_base=32, n_layer=4, depth_base=2,
                  vocab_size=65, attn_tau=8.0, alpha_in=2.0, alpha_out=0.5, learning_rate=1e-2,
                  min_lr=1e-3, warmup_steps=4, max_steps=16, connections="mudd")
@@ -119,7 +119,7 @@ def rules() -> dict:
     gpt = eqx.filter_eval_shape(M.GPT, ref)
     forward = {"alpha_in": gpt.alpha_in, "readout_mult": gpt.readout_mult,
                "branch_mult": float(gpt.blocks.branch_mult), "attn_scale": gpt.blocks.attn.scale}
-    schedule = train.lr_schedule(ref)
+    schedule = optimizers.lr_schedule(ref)
     return {"rows": rows, "forward": forward,
             "lr": [round(float(schedule(t)), 9) for t in range(0, 17, 2)]}
 

@@ -185,11 +185,12 @@ def lr_schedule(cfg: Config):
     return lr
 
 
-def applied_lr(schedule, opt_state) -> float:
+def applied_lr(cfg: Config, opt_state) -> jax.Array:
     """The LR of the last update applied (0 before any), the one train.py logs as "lr": the
     schedule at the count of scale_by_policy's state (make_optimizer's last link). A skipped
-    (non-finite) step leaves that count as it was, so after one the LR lags schedule(step)."""
-    return float(schedule(int(opt_state[-1].count) - 1))
+    (non-finite) step leaves that count as it was, so after one the LR lags schedule(step).
+    Computed in the step, so it reaches the host with the step's other metrics."""
+    return lr_schedule(cfg)(opt_state[-1].count - 1)
 
 
 def check_extension(old: Config, new: Config, step: int) -> None:

@@ -21,7 +21,7 @@ from configs import Config
 from inference import decode, tasks
 from kernels import fast_paths
 from model import GPT
-from optimizers import applied_lr, lr_schedule, make_optimizer
+from optimizers import applied_lr, make_optimizer
 from params import flops_per_token, init_gpt, partition_specs, policy_table
 from run.checkpoint import checkpoint_manager, one_line, resume, save_checkpoint
 from run.distributed import stop_signals
@@ -140,7 +140,7 @@ def make_train_step(cfg: Config, optimizer, static: GPT, mesh, model_sharding, o
         shardings = (model_sharding, opt_sharding)
         state = jax.lax.with_sharding_constraint((params, opt_state), shardings)
         metrics = {"loss": loss, "objective": objective, "grad_norm": grad_norm,
-                   "skipped": (~ok).astype(jnp.int32)}
+                   "skipped": (~ok).astype(jnp.int32), "lr": applied_lr(cfg, state[1])}
         return *state, metrics
 
     # jax.jit of the arrays rather than eqx.filter_jit of the model: the step's host overhead stays
@@ -254,7 +254,6 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
     tally = Tally(cfg, saved)
     batch_sharding = NamedSharding(mesh, BATCH_SPEC)
     batch_shape = (cfg.grad_accum, cfg.microbatch_size, cfg.block_size)
-    schedule = jax.jit(lr_schedule(cfg))  # one compilation, not one per eager op
     peak = (peak_flops(jax.devices()[0]) or 0) * jax.device_count()  # all devices' (0: unknown)
     flops = flops_per_token(model, cfg.block_size)
     logger = Logger(rundir, start, cfg.wandb_project, dataclasses.asdict(cfg), writes=not debug)
@@ -267,7 +266,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
 
     def log_eval(step: int, tokens_per_s: float | None) -> dict:
         record = evaluate(model, cfg, train_tokens, val_tokens, mesh)
-        record |= {"lr": applied_lr(schedule, opt_state), "tokens_per_s": tokens_per_s}
+        record |= {"lr": tally.last_lr(), "tokens_per_s": tokens_per_s}
         logger.log(step, record, {f"{split}_{what}": f"{what}/{split}" for split in ("train", "val")
                                   for what in ("loss", "objective")})  # loss/train ...
         tasks.log_in_training(eval_tasks, model, cfg, step, mesh, logger)  # when due
@@ -318,8 +317,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
                     tokens = (done - t0_step) * cfg.batch_size * cfg.block_size
                     tokens_per_s = tokens / (time.perf_counter() - t0) if done > t0_step else None
                     mfu = tokens_per_s * flops / peak if peak and tokens_per_s else None
-                    record |= {"lr": applied_lr(schedule, opt_state), "tokens_per_s": tokens_per_s,
-                               "mfu": mfu}
+                    record |= {"tokens_per_s": tokens_per_s, "mfu": mfu}  # "lr": the tally's
                     logger.log(done, record, tags)
                     loss = math.nan if record["loss"] is None else record["loss"]
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}",

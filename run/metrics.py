@@ -154,8 +154,8 @@ class Tally:
         self.cfg = cfg
         self.on_device = []  # each step's metrics not fetched yet: dicts of scalar arrays
         # since_log: the fetched metrics of the steps after the last multiple of log_interval;
-        # streak: the steps skipped in a row
-        self.state = saved or {"since_log": [], "streak": 0, "skipped": 0}
+        # streak: the steps skipped in a row; lr: the last applied update's (optimizers.applied_lr)
+        self.state = {"since_log": [], "streak": 0, "skipped": 0, "lr": 0.0} | (saved or {})
 
     def fetch(self) -> None:
         for m in jax.device_get(self.on_device):  # one transfer for all of them
@@ -163,11 +163,12 @@ class Tally:
             self.state["since_log"].append(m)
             self.state["streak"] = self.state["streak"] + 1 if m["skipped"] else 0
             self.state["skipped"] += m["skipped"]
+            self.state["lr"] = m["lr"]
         self.on_device = []
 
     def record(self, step: int) -> dict:
         """Mean loss (the cross-entropy) over the applied steps since the last log, and the
-        objective's where it differs; the last grad norm, the skipped count."""
+        objective's where it differs; the last grad norm, the skipped count, the LR."""
         self.fetch()
         steps = self.state["since_log"]
         losses = [m["loss"] for m in steps if not m["skipped"]]
@@ -177,8 +178,13 @@ class Tally:
             self.state["since_log"] = []
         mean = lambda values: float(np.mean(values)) if values else None  # noqa: E731
         return {"loss": mean(losses), "grad_norm": steps[-1]["grad_norm"],
-                "skipped": self.state["skipped"]} | (
+                "skipped": self.state["skipped"], "lr": self.state["lr"]} | (
             {"objective": mean(objectives)} if objectives != losses else {})
+
+    def last_lr(self) -> float:
+        """The LR of the last update applied, 0 before any (an evaluation's "lr")."""
+        self.fetch()
+        return self.state["lr"]
 
     def check(self, step: int) -> None:
         if self.state["streak"] >= self.cfg.max_nonfinite:

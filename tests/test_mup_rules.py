@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tools import sweeps
+import optimizers
 import params
 import train
 from test_mup import batch, mup_tiny
@@ -172,7 +173,7 @@ def test_warmup_and_schedule_do_not_depend_on_width():
     for D in (32, 128):
         cfg = mup_tiny(d_model=D, n_head=D // 16, d_base=32, warmup_steps=4, max_steps=12,
                        learning_rate=lr, min_lr=low, weight_decay=0.0, adam_eps=1e-20)
-        schedule = train.lr_schedule(cfg)
+        schedule = optimizers.lr_schedule(cfg)
         for t in range(12):
             want = lr * (t + 1) / 4 if t < 4 else low + 0.5 * (lr - low) * (1 + math.cos(math.pi * (t - 4) / 8))
             assert float(schedule(t)) == pytest.approx(want, rel=1e-5), (D, t)

@@ -10,6 +10,7 @@ import pytest
 
 from params import flops_per_token
 from model import GPT
+import optimizers
 import params
 from params import init_gpt
 import train
@@ -81,7 +82,7 @@ def test_first_update_is_clipped_adam_written_out(size, grad_clip):
 
 def test_lr_schedule_warmup_then_cosine():
     cfg = tiny(learning_rate=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
-    lr = train.lr_schedule(cfg)
+    lr = optimizers.lr_schedule(cfg)
     assert float(lr(0)) == pytest.approx(0.1)  # (step + 1) / warmup
     assert float(lr(9)) == pytest.approx(1.0)
     assert float(lr(10)) == pytest.approx(1.0)

@@ -151,17 +151,12 @@ def cosine(cfg: Config, step: jax.Array) -> jax.Array:
     return cfg.min_lr + 0.5 * (cfg.learning_rate - cfg.min_lr) * (1 + jnp.cos(math.pi * frac))
 
 
-def wsd_decay_start(cfg: Config) -> int:
-    """The step where WSD's decay starts: the last decay_fraction of max_steps decays."""
-    return cfg.max_steps - round(cfg.decay_fraction * cfg.max_steps)
-
-
 def wsd(cfg: Config, step: jax.Array) -> jax.Array:
     """Warmup-stable-decay (MiniCPM, Hu et al. 2024, arXiv 2404.06395): learning_rate until
-    wsd_decay_start, then down to min_lr at max_steps, linearly or as 1 - sqrt (the cooldown of
+    cfg.decay_start, then down to min_lr at max_steps, linearly or as 1 - sqrt (the cooldown of
     Hägele et al. 2024, arXiv 2405.18392). The stable phase does not depend on max_steps, so a run
     there may be extended (check_extension)."""
-    start = wsd_decay_start(cfg)
+    start = cfg.decay_start
     frac = jnp.clip((step - start) / max(cfg.max_steps - start, 1), 0, 1)
     shape = frac if cfg.decay_shape == "linear" else jnp.sqrt(frac)
     return cfg.learning_rate - (cfg.learning_rate - cfg.min_lr) * shape
@@ -201,7 +196,7 @@ def check_extension(old: Config, new: Config, step: int) -> None:
     fields = ("max_steps", "decay_fraction", "decay_shape")
     changed = [f"{f}={getattr(new, f)!r} (was {getattr(old, f)!r})" for f in fields
                if getattr(old, f) != getattr(new, f)]
-    start = min(wsd_decay_start(old), wsd_decay_start(new))
+    start = min(old.decay_start, new.decay_start)
     if new.schedule == "wsd" and changed and step > start:
         raise UsageError(f"the checkpoint is at step {step}, past the start of the WSD decay "
                          f"(step {start}): {', '.join(changed)} would change the LR of steps "

@@ -162,6 +162,11 @@ class Config:
         return math.ceil(self.vocab_size / self.vocab_multiple) * self.vocab_multiple
 
     @property
+    def decay_start(self) -> int:
+        """The step where WSD's decay starts: the last decay_fraction of max_steps decays."""
+        return self.max_steps - round(self.decay_fraction * self.max_steps)
+
+    @property
     def width_mult(self) -> float:
         """m = d_model / d_base under muP, 1 under SP: hidden-matrix LRs are lr / m, the readout
         alpha_out / m."""
@@ -197,6 +202,8 @@ class Config:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
         fsdp = max(n_devices // self.mesh_replica, 1)  # mesh_replica > n_devices is reported below
         finite = ("rope_base", "alpha_in", "alpha_out", "attn_tau", "mlp_ratio")
+        # the largest decay_fraction (to 3 decimals) whose decay starts after warmup
+        most_decay = (self.max_steps - self.warmup_steps) * 1000 // self.max_steps / 1e3
         problems = [
             (self.d_model % self.n_head,
              f"d_model={self.d_model} is not divisible by n_head={self.n_head}"),
@@ -243,6 +250,11 @@ class Config:
              f"the cosine decays to it"),
             # above max_steps is allowed: a smoke run
             (self.warmup_steps < 0, f"warmup_steps={self.warmup_steps} must be >= 0"),
+            # the LR would fall at warmup's end from learning_rate to the decay's LR of that step
+            (self.schedule == "wsd" and self.decay_start < self.warmup_steps <= self.max_steps,
+             f"decay_fraction={self.decay_fraction} starts the WSD decay at step "
+             f"{self.decay_start}, before warmup_steps={self.warmup_steps} ends: use a "
+             f"decay_fraction <= {most_decay}"),
             (not 0 <= self.grad_clip < 3e38,
              f"grad_clip={self.grad_clip} must be finite and >= 0 (0: no clipping)"),
             # finite as a Python float: 1e39 (inf in float32) is how a test makes every loss

@@ -178,7 +178,11 @@ def test_an_option_of_another_optimizer_or_schedule_is_refused_in_one_line():
     cases = [(dict(optimizer="lion", adam_eps=1e-6), "adam_eps=1e-06 does not apply to "
               "optimizer='lion' (only to adamw or muon): leave it at 1e-08"),
              (dict(muon_momentum=0.9), "muon_momentum=0.9 does not apply to optimizer='adamw'"),
-             (dict(decay_fraction=0.5), "decay_fraction=0.5 does not apply to schedule='cosine'")]
+             (dict(decay_fraction=0.5), "decay_fraction=0.5 does not apply to schedule='cosine'"),
+             # WSD's decay would start inside warmup: at warmup's end the LR would fall at once
+             (dict(schedule="wsd", decay_fraction=0.5, warmup_steps=7, max_steps=10),
+              "decay_fraction=0.5 starts the WSD decay at step 5, before warmup_steps=7 ends: "
+              "use a decay_fraction <= 0.3")]
     for overrides, message in cases:
         with pytest.raises(UsageError) as e:
             tiny(**overrides).check(1)

@@ -319,6 +319,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
                     mfu = tokens_per_s * flops / peak if peak and tokens_per_s else None
                     record |= {"tokens_per_s": tokens_per_s, "mfu": mfu}  # "lr": the tally's
                     logger.log(done, record, tags)
+                    t0, t0_step = time.perf_counter(), done  # the rate of each log's own steps
                     loss = math.nan if record["loss"] is None else record["loss"]
                     bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}",
                                     tok_s=f"{tokens_per_s or 0:,.0f}",

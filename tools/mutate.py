@@ -49,6 +49,10 @@ MUTATIONS = {
         "train.py", [("v / n for v in loss_fn(model, x, y, cfg, *key)",
                       "v / n / len(x_GBT) for v in loss_fn(model, x, y, cfg, *key)")],
         ["tests/test_train.py::test_accumulation_equals_one_big_batch"]),
+    "tokens/s a running average, not each log's own steps": (
+        "train.py", [("\n                    t0, t0_step = time.perf_counter(), done  # the rate of "
+                      "each log's own steps", "")],
+        ["tests/test_train.py::test_each_log_reads_its_own_steps_throughput_and_a_save_is_left_out"]),
     "weight decay on norm gains": (
         "params.py", [("gain = dict(lr_mult=1.0, decay=False,",
                        "gain = dict(lr_mult=1.0, decay=True,")],

@@ -126,7 +126,7 @@ def table(results: dict, seeds: list[int]) -> str:
 
     def mean_std(values):
         sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-        return f"{statistics.mean(values):.4f}" + ("" if sd != sd else f" ± {sd:.4f}")
+        return plots.cell(statistics.mean(values), sd, 4)
 
     def against_baseline(runs):
         if "baseline" not in results or runs is results["baseline"]:

@@ -43,9 +43,11 @@ ROOT = Path(__file__).resolve().parent
 SUPPORTED = {"attention": ("mha", "sharedkv"), "position": ("rope", "alibi"),
              "connections": ("residual", "mudd")}
 DTYPES = ("float32", "bfloat16", "float16")
-# The self-check's bound on |PyTorch - JAX| logits, relative to the largest logit (at least 1):
-# float32 rounding (eps 1.2e-7) through the blocks stays orders of magnitude below it, while the
-# edits of issue 40 that export missed moved logits by 0.3 to 1.4.
+# The self-check's bound on |PyTorch - JAX| logits, relative to the largest logit: float32
+# rounding (eps 1.2e-7) through the blocks stays orders of magnitude below it, while the edits of
+# issue 40 that export missed moved logits by 0.3 to 1.4. Relative to the largest logit alone (no
+# floor): a model early in training has small logits, and an absolute floor let through there an
+# edit refused in the same model trained longer.
 RTOL = 1e-4
 
 
@@ -187,7 +189,7 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
         torch_model.load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
         # a new function: jit's cache, keyed by it, must not give back the trace of model.py
         # before an edit made in this process (the tests')
-        worst, scale, forward = 0.0, 1.0, eqx.filter_jit(lambda gpt, ids_T: gpt(ids_T))
+        worst, scale, forward = 0.0, 0.0, eqx.filter_jit(lambda gpt, ids_T: gpt(ids_T))
         for T in (block_size, max(1, block_size // 4)):
             ids_T = tokens(T, V, seed=T)  # special ids (the vocabulary's edges) among them
             # "highest": float32 matmuls on an accelerator too (TF32 would exceed RTOL)

@@ -356,6 +356,23 @@ def test_a_modeling_file_whose_cached_decoding_differs_is_refused(tmp_path, monk
     assert_refused(f"error: {e.value}", out)
 
 
+@pytest.mark.parametrize("readout", [1.0, 0.01])
+def test_an_exact_gelu_is_refused_whatever_the_size_of_the_logits(readout, tmp_path, monkeypatch):
+    """model.py's GELU made exact (erf) while the modeling file keeps GPT-2's tanh form: the
+    logits differ by ~2e-4 of the largest, above the bound, in a random model and in the same
+    model with its readout scaled by 0.01, as early in training (logits below 1). The bound was
+    relative to the largest logit but at least 1, and let the small-logit model through."""
+    monkeypatch.setattr(definition, "gelu", lambda x: jax.nn.gelu(x, approximate=False))
+    cfg = tiny()
+    gpt = random_gpt(cfg)
+    gpt = eqx.tree_at(lambda g: g.emb.unembed, gpt, gpt.emb.unembed * readout)
+    out = tmp_path / "out"
+    with pytest.raises(UsageError) as e:
+        export.write(gpt, cfg, CHARS, out)
+    print(f"\nreadout x {readout}: error: {e.value}")
+    assert_refused(f"error: {e.value}", out)
+
+
 @pytest.mark.parametrize("bias", ["random", "zero"])
 def test_new_parameter_is_refused_and_named(bias, tmp_path, monkeypatch):
     """A bias that export.py does not convert: named, even while it is zero (logits equal)."""

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg.check(jax.device_count())
             # bad data is reported before the run directory is written
             data.load_split(cfg, "train"), data.load_split(cfg, "val")
-            params.check(cfg)  # an edited model.py's parameter without a policy row, say
+            params.check(cfg, jax.device_count())  # an edited model.py's parameter without a row
             # Process 0 checks and writes the run directory; the others only train in it.
             rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart,
                                         saves=not args.debug)

@@ -126,8 +126,9 @@ def param_name(path) -> str:
     return ".".join(name for name in keys if name != "pytree")
 
 
-def policy_table(model: GPT, cfg: Config):
-    """A pytree like the model's arrays with each parameter's Policy; each needs a row."""
+def policy_table(model: GPT, cfg: Config, mesh_shape: dict[str, int] | None = None):
+    """A pytree like the model's arrays with each parameter's Policy; each needs a row, and each
+    axis its spec shards must divide by the mesh axes' sizes (mesh_shape: train.make_mesh's)."""
     rows, params = policy_rows(cfg), eqx.filter(model, is_param)
     names = [param_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     if missing := [name for name in names if name not in rows]:
@@ -142,14 +143,22 @@ def policy_table(model: GPT, cfg: Config):
         if len(policy.spec) != x.ndim:
             raise UsageError(f"params.py: policy_rows gives {name} the sharding {rows[name].spec}, "
                              f"which does not fit its shape {x.shape} (blocks: L in front)")
+        for size, axes in zip(x.shape, policy.spec):  # an axis name, a tuple of them, or None
+            parts = math.prod((mesh_shape or {}).get(a, 1) for a in jax.tree.leaves(axes))
+            if size % parts:
+                raise UsageError(f"params.py: policy_rows shards {name} {x.shape} over {axes}'s "
+                                 f"{parts} devices along an axis of {size}, which {parts} does "
+                                 f"not divide: give that axis None in its spec, or set mesh_replica")
         return policy
 
     return jax.tree_util.tree_map_with_path(row, params)
 
 
-def check(cfg: Config) -> None:
-    """The policy table of the model's shapes alone: launch.py's check before the run directory."""
-    policy_table(eqx.filter_eval_shape(GPT, cfg), cfg)
+def check(cfg: Config, n_devices: int = 1) -> None:
+    """The policy table of the model's shapes alone, its shardings on the mesh train.make_mesh
+    makes of n_devices: launch.py's check before the run directory."""
+    mesh_shape = {"replica": cfg.mesh_replica, "fsdp": n_devices // cfg.mesh_replica}
+    policy_table(eqx.filter_eval_shape(GPT, cfg), cfg, mesh_shape)
 
 
 def partition_specs(table):

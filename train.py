@@ -203,7 +203,7 @@ class Setup(NamedTuple):
 def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     """The initial model and optimizer state, sharded over the mesh, and the train step."""
     fast = fast_paths.select(cfg, mesh, lambda gpt, x, y: loss_fn(gpt, x, y, cfg))  # as edited
-    table = policy_table(eqx.filter_eval_shape(GPT, cfg, fast), cfg)  # once: init, specs, optimizer
+    table = policy_table(eqx.filter_eval_shape(GPT, cfg, fast), cfg, mesh.shape)  # init, specs, opt
     model = init_gpt(cfg, jax.random.key(cfg.seed), fast, table)
     model_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(table))
     model = eqx.filter_shard(model, model_sharding)

@@ -313,20 +313,34 @@ def test_attention_implementations_match_a_naive_reference():
             np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2)
 
 
-def test_a_parameter_without_a_policy_row_stops_launch_before_the_run_directory(shakespeare,
-                                                                                tmp_path):
-    """The mistake of adding a parameter (here: forgetting mlp.up's row) is one line naming it,
-    and nothing is written."""
+ROW_MISTAKES = {  # a policy row's mistake, the launch's devices and config, its one line
+    "no row": ("{k: v for k, v in rows(cfg).items() if k != 'blocks.mlp.up'}", 1, [],
+               "params.py: parameters without a row in policy_rows: blocks.mlp.up (add each one's "
+               "init std, LR multiplier, decay and sharding)"),
+    # q_norm's K = 32 / 8 = 4 entries split over 8 devices: XLA's own error, deep inside jax, was
+    # a traceback after the run directory was made
+    "indivisible sharding": ("{**rows(cfg), 'blocks.attn.q_norm': params.dataclasses.replace("
+                             "rows(cfg)['blocks.attn.q_norm'], spec=('fsdp',))}", 8,
+                             ["--config.n_head=8"],
+                             "params.py: policy_rows shards blocks.attn.q_norm (2, 4) over fsdp's "
+                             "8 devices along an axis of 4, which 8 does not divide: give that "
+                             "axis None in its spec, or set mesh_replica"),
+}
+
+
+@pytest.mark.parametrize("mistake", ROW_MISTAKES)
+def test_a_policy_row_mistake_stops_launch_before_the_run_directory(shakespeare, tmp_path, mistake):
+    """The mistakes of adding a parameter (forgetting its row, or sharding an axis the devices
+    do not divide) are one line naming it, and nothing is written."""
     from conftest import TINY_RUN, run
+    rows, devices, args, line = ROW_MISTAKES[mistake]
     code = ("import sys, params\n"
             "rows = params.policy_rows\n"
-            "params.policy_rows = lambda cfg: {k: v for k, v in rows(cfg).items() "
-            "if k != 'blocks.mlp.up'}\n"
+            f"params.policy_rows = lambda cfg: {rows}\n"
             "import launch\n"
             "launch.main(sys.argv[1:])\n")
-    r = run(["-c", code, *TINY_RUN, f"--rundir={tmp_path / 'run'}"])
+    r = run(["-c", code, *TINY_RUN, *args, f"--rundir={tmp_path / 'run'}"],
+            env={"JAX_NUM_CPU_DEVICES": str(devices)})
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip() == ("error: params.py: parameters without a row in policy_rows: "
-                                "blocks.mlp.up (add each one's init std, LR multiplier, decay "
-                                "and sharding)")
+    assert r.stderr.strip() == f"error: {line}"
     assert not (tmp_path / "run").exists()

@@ -302,6 +302,15 @@ def test_docs_mup_evidence_is_current(where):
     assert (ROOT / where / "README.md").read_text() == plots.readme(doc)
 
 
+def test_evidence_made_outside_a_git_checkout_says_its_commit_is_unknown():
+    """A copy without .git (a downloaded archive) records no commit: its README says so, not
+    "commit None", which reads as if a commit named it."""
+    doc = json.loads((ROOT / "docs/mup/evidence.json").read_text()) | {"commit": None,
+                                                                       "dirty": None}
+    made = plots.readme(doc).splitlines()[2]
+    assert "commit unknown (not made in a git checkout)" in made and "None" not in made
+
+
 def test_a_changed_rule_changes_the_fingerprint(monkeypatch):
     """mup.rules sees a rule changed in params.py (the hidden LR's 1/m removed): the staleness
     test's comparison then fails (tools/mutate_mup.py --with_staleness shows it for every rule)."""

@@ -92,7 +92,7 @@ def readme(doc: dict) -> str:
     base = res["adamw"]["val"][res["adamw"]["best"]] if "adamw" in res else None  # per seed
     base_steps = steps_to(res["adamw"]["train"], target) if "adamw" in res else None
     lines = ["# AdamW, Lion and Muon at their best learning rates", "",
-             f"Made by `{s['command']}` at commit {doc['commit']}"
+             f"Made by `{s['command']}` at commit {doc['commit'] or 'unknown (no git checkout)'}"
              + (" **with uncommitted changes**" if doc["dirty"] else "")
              + f"; {doc['minutes']:.0f} min on the machine that made it. Generated from "
              "optimizers.json: do not edit, rerun. How it is made: tools/optimizer_sweep.py.", "",

@@ -381,8 +381,9 @@ def readme(doc: dict) -> str:
     lines = [f"# muP evidence: {doc['config_name']}", "",
              f"Made by `python mup.py evidence --out=DIR{preset}{seeds} "
              f"--config={doc['config_name']}{''.join(' ' + o for o in doc['overrides'])}` at "
-             f"commit {doc['commit']}. Generated from evidence.json, which holds each part's full "
-             "settings: do not edit, rerun. Method and reading: ../mup.md.", ""]
+             f"commit {doc['commit'] or 'unknown (not made in a git checkout)'}. Generated from "
+             "evidence.json, which holds each part's full settings: do not edit, rerun. Method "
+             "and reading: ../mup.md.", ""]
     if doc["dirty"]:
         lines += ["**Made from a tree with uncommitted changes: the commit alone does not "
                   "reproduce it.**", ""]

@@ -239,7 +239,7 @@ def explain_out_of_memory(fn: Callable) -> Callable:
 def train(cfg: Config, rundir: epath.Path, debug: bool = False,
           started: Callable[[], None] = lambda: None) -> dict[str, float] | None:
     """Train from rundir's latest checkpoint or from scratch; the last evaluation, or None (a signal
-    stopped it, nothing was left). debug: profile, save none. started(): just before the loop."""
+    stopped it, nothing was left). debug: profile, save none. started(): after the first step."""
     cfg.check(jax.device_count())
     mesh = make_mesh(cfg)
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
@@ -288,7 +288,6 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
     tags = {"loss": "loss/batch", "objective": "objective/batch", "skipped": "skipped_steps",
             **{k: k for k in ("lr", "grad_norm", "tokens_per_s", "mfu")}}
     tokens_per_s, t0, t0_step = None, None, start
-    started()
     try:  # the step-0 evaluation too: whatever error stops it, the bar and files are closed
         last = log_eval(0, None) if start == 0 else None
         with stop_signals() as caught:
@@ -309,6 +308,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
                 if t0 is None:  # time from the end of the first step, not the compilation
                     jax.block_until_ready(metrics)
                     t0, t0_step = time.perf_counter(), done
+                    started()  # a step taken: from here on, a failure leaves the run as it is
                 # preemption or a signal: JAX's sync point must be asked at every step
                 stop = (jax.process_count() > 1 and mngr.reached_preemption(done)) or bool(caught)
                 # log the step metrics

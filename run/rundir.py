@@ -98,8 +98,8 @@ def read_json(path: epath.Path) -> dict:
 def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool = False,
                 saves: bool = True) -> tuple[epath.Path, Callable[[], None]]:
     """The run directory (default runs/CONFIG_NAME-TIMESTAMP) with config.json and run.json, locked
-    for this launch, and a function that puts back the files it wrote as they were (train.py may
-    still refuse the run: launch.py calls it then). One that holds a run is resumed; if it cannot
+    for this launch, and a function that puts the folder back as it was (train.py may still
+    refuse the run, or fail before its first step: launch.py calls it then). One that holds a run is resumed; if it cannot
     be, nothing is written. restart: a run whose checkpoints are all lost trains from step 0, its
     logs and record of checkpoints kept aside. saves False (--debug): checked as a launch is, but
     only the lock is written, and no room is needed for a checkpoint."""
@@ -118,6 +118,8 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
         if saves:
             check_space(rundir, cfg)
         before = {n: (rundir / n).read_bytes() if (rundir / n).exists() else None for n in names}
+        existed = rundir.exists()
+        entries = {p.name for p in rundir.iterdir()} if existed else set()
         rundir.mkdir(parents=True, exist_ok=True)
         lock_rundir(rundir)
         # --debug's few steps are a profile, no part of the run: its files stay as they were (a
@@ -142,10 +144,15 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
         for aside, name in renamed:  # --restart's, back
             (rundir / aside).rename(rundir / name)
         for name, old in before.items():
-            if old is None:
-                (rundir / name).unlink(missing_ok=True)
-            else:
+            if old is not None:
                 (rundir / name).write_bytes(old)
+        # what this launch added (the lock, the step-0 evaluation's logs, an empty checkpoints/):
+        # a run that failed before its first step (model.py's edit, say) leaves no folder behind
+        for path in rundir.iterdir():
+            if path.name not in entries:
+                path.rmtree() if path.is_dir() else path.unlink()
+        if not existed:
+            rundir.rmdir()
     return rundir, undo
 
 

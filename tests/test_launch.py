@@ -291,20 +291,32 @@ def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):
     assert acc.Scalars("loss/val")[-1].value == pytest.approx(evals[-1]["val_loss"], rel=1e-6)
 
 
-def test_any_error_before_the_first_step_undoes_the_launch(shakespeare, tmp_path):
-    """Not only a refusal (UsageError, RunError): an error of any kind before the first step (here
-    a bug, raised where train.train would start) leaves no config.json that says what never ran;
-    its traceback still shows."""
+FIRST_STEP_FAILURES = {  # code run before launch.main, and whether the folder was there before
+    # a bug of any kind where train.train would start, in a new folder
+    "a bug": ("def bug(*args, **kwargs):\n    raise OverflowError('a bug')\n"
+              "train.train = bug\n", "OverflowError: a bug", False),
+    # model.py edited with a shape mistake: the step-0 evaluation's forward fails, after the
+    # metrics, tensorboard events, lock and checkpoints/ were made; in a folder made beforehand
+    "model.py's edit": ("import model\nmodel.gelu = lambda x: x[..., :-1]\n",
+                        "does not match previous terms", True),
+}
+
+
+@pytest.mark.parametrize("failure", FIRST_STEP_FAILURES)
+def test_any_error_before_the_first_step_undoes_the_launch(shakespeare, tmp_path, failure):
+    """Not only a refusal (UsageError, RunError): an error of any kind before the first step leaves
+    the folder as it was (a new one: none), not a config.json that says what never ran nor logs
+    that would make the next launch there refuse; its traceback still shows."""
     from conftest import TINY_RUN
+    code, error, existed = FIRST_STEP_FAILURES[failure]
     rundir = tmp_path / "run"
-    code = ("import launch, train\n"
-            "def bug(*args, **kwargs):\n    raise OverflowError('a bug')\n"
-            "train.train = bug\n"
-            f"launch.main({[*TINY_RUN, f'--rundir={rundir}']!r})\n")
+    if existed:
+        rundir.mkdir()
+    code = f"import launch, train\n{code}launch.main({[*TINY_RUN, f'--rundir={rundir}']!r})\n"
     r = run(["-c", code])
-    assert r.returncode != 0 and r.stderr.strip().endswith("OverflowError: a bug"), r.stderr
-    assert rundir.is_dir() and not {"config.json", "run.json", "dataset.json"} & {
-        p.name for p in rundir.iterdir()}
+    assert r.returncode != 0 and error in r.stderr, r.stderr
+    assert (sorted(p.name for p in rundir.iterdir()) == [] if existed
+            else not rundir.exists()), list(rundir.iterdir())
 
 
 @pytest.mark.parametrize("name", ["run.json", "dataset.json", "metrics.jsonl"])

@@ -148,7 +148,8 @@ def policy_table(model: GPT, cfg: Config, mesh_shape: dict[str, int] | None = No
             if size % parts:
                 raise UsageError(f"params.py: policy_rows shards {name} {x.shape} over {axes}'s "
                                  f"{parts} devices along an axis of {size}, which {parts} does "
-                                 f"not divide: give that axis None in its spec, or set mesh_replica")
+                                 "not divide: give that axis None in its spec, or set "
+                                 "mesh_replica")
         return policy
 
     return jax.tree_util.tree_map_with_path(row, params)

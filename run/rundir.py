@@ -98,11 +98,11 @@ def read_json(path: epath.Path) -> dict:
 def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool = False,
                 saves: bool = True) -> tuple[epath.Path, Callable[[], None]]:
     """The run directory (default runs/CONFIG_NAME-TIMESTAMP) with config.json and run.json, locked
-    for this launch, and a function that puts the folder back as it was (train.py may still
-    refuse the run, or fail before its first step: launch.py calls it then). One that holds a run is resumed; if it cannot
-    be, nothing is written. restart: a run whose checkpoints are all lost trains from step 0, its
-    logs and record of checkpoints kept aside. saves False (--debug): checked as a launch is, but
-    only the lock is written, and no room is needed for a checkpoint."""
+    for this launch, and a function that puts the folder back as it was (train.py may still refuse
+    the run, or fail before its first step: launch.py calls it then). One that holds a run is
+    resumed; if it cannot be, nothing is written. restart: a run whose checkpoints are all lost
+    trains from step 0, its logs and record of checkpoints kept aside. saves False (--debug):
+    checked as a launch is, but only the lock is written, and no room is needed for a checkpoint."""
     import data  # not at the top: it loads numpy, and a typo should not wait for that
     rundir = epath.Path(path or f"runs/{config_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -147,7 +147,7 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
             if old is not None:
                 (rundir / name).write_bytes(old)
         # what this launch added (the lock, the step-0 evaluation's logs, an empty checkpoints/):
-        # a run that failed before its first step (model.py's edit, say) leaves no folder behind
+        # a launch that failed before its first step (model.py's edit, say) leaves no trace
         for path in rundir.iterdir():
             if path.name not in entries:
                 path.rmtree() if path.is_dir() else path.unlink()

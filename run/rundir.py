@@ -18,22 +18,21 @@ import configs
 from configs import Config
 from run.errors import UsageError
 
-ROOT = Path(__file__).resolve().parent
-
-
 def git_state() -> dict:
     """The commit and whether the tree was dirty; in a copy without .git (tpu.sh copy), from its
-    .mugpt_git."""
+    .mugpt_git, at the top of the copy (this file's folder's parent)."""
+    root = Path(__file__).resolve().parents[1]
+
     def git(*args):
         try:
-            out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+            out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
         except OSError:  # no git on this machine
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
     status = git("status", "--porcelain")
-    if status is None and (ROOT / ".mugpt_git").exists():
-        return json.loads((ROOT / ".mugpt_git").read_text())
+    if status is None and (root / ".mugpt_git").exists():
+        return json.loads((root / ".mugpt_git").read_text())
     return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status)}
 
 

@@ -217,7 +217,8 @@ def test_copy_records_the_commit_for_run_json(stub, monkeypatch):
         assert tpu(stub, "copy").returncode == 0
         for home in workers(stub):
             assert json.loads((home / "mugpt/.mugpt_git").read_text()) == {"commit": head, "dirty": dirty}
-        monkeypatch.setattr(rundir, "ROOT", workers(stub)[0] / "mugpt")
+        # rundir.py as it sits in the copy: run/ under the copy's top, where .mugpt_git is
+        monkeypatch.setattr(rundir, "__file__", str(workers(stub)[0] / "mugpt/run/rundir.py"))
         assert rundir.git_state() == {"commit": head, "dirty": dirty}
 
 

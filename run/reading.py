@@ -1,6 +1,7 @@
 """Reading a run that launch.py wrote: its config, its tokenizer, the model of a checkpoint. One
 module that sample.py, eval.py, export.py and bench.py use, so each reads a run the same way."""
 import logging
+import sys
 
 import jax
 from etils import epath
@@ -10,7 +11,7 @@ from configs import Config
 from model import GPT
 from params import init_gpt
 from run.errors import UsageError
-from run.rundir import read_json, saved_config
+from run.rundir import FORWARD, code_changes, read_json, saved_config
 from text import tokenization
 
 
@@ -65,6 +66,12 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
         have = ", ".join(map(str, steps))
         raise UsageError(f"--step={step}: {rundir} has checkpoints of steps {have} only")
     step = steps[-1] if step is None else step
+    try:
+        record = read_json(rundir / "run.json")
+    except UsageError:  # the note's source only: a corrupt record does not stop the reading
+        record = {}
+    if changes := code_changes(record, FORWARD):  # the same shapes, perhaps other math
+        print(f"note: {changes}: its checkpoint runs in the model as it is now", file=sys.stderr)
     placeholders = init_gpt(cfg, jax.random.key(0))  # on the default device; replaced
     try:
         return checkpoint.restore_model(mngr, placeholders, step), step

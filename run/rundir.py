@@ -3,6 +3,7 @@ it marks a run), run.json (the git commit, whether the tree was dirty, the comma
 dataset.json, and a lock held while a launch trains there. One that holds a run is resumed."""
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -17,6 +18,34 @@ from etils import epath
 import configs
 from configs import Config
 from run.errors import UsageError
+
+# the files that define what a run computes: its forward (what sample.py, eval.py and export.py
+# run on a checkpoint), then its training; run.json records a hash of each at every launch
+FORWARD = ("model.py", "layers/positions.py", "layers/mudd.py", "configs/__init__.py")
+TRAINING = (*FORWARD, "params.py", "train.py", "optimizers.py")
+
+
+def code_state() -> dict[str, str]:
+    """A short hash of each of TRAINING's files as they are now."""
+    root = Path(__file__).resolve().parents[1]
+    return {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:12] for f in TRAINING}
+
+
+def code_changes(run: dict, files: tuple[str, ...] = TRAINING) -> str | None:
+    """Which of `files` differ now from the hashes run.json records of the run's last launch, as
+    the start of a line; None where none does, or that launch recorded none (before they were)."""
+    resumes = run.get("resumed", [])  # a hand-edited one may hold anything
+    last = ([run, *resumes] if isinstance(resumes, list) else [run, resumes])[-1]
+    code = last.get("code") if isinstance(last, dict) else None
+    if not isinstance(code, dict):
+        return None
+    now = code_state()
+    if not (changed := [f for f in files if code.get(f, now[f]) != now[f]]):
+        return None
+    commit = last.get("git", {}).get("commit") if isinstance(last.get("git"), dict) else None
+    return (f"{', '.join(changed)} changed since this run's last launch (at commit "
+            f"{commit[:7] if isinstance(commit, str) else 'unknown'})")
+
 
 def git_state() -> dict:
     """The commit and whether the tree was dirty; in a copy without .git (tpu.sh copy), from its
@@ -104,7 +133,8 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
     checked as a launch is, but only the lock is written, and no room is needed for a checkpoint."""
     import data  # not at the top: it loads numpy, and a typo should not wait for that
     rundir = epath.Path(path or f"runs/{config_name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    launch = {"argv": sys.argv, "git": git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    launch = {"argv": sys.argv, "git": git_state(), "code": code_state(),
+              "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     names = ("run.json", "dataset.json", "config.json")
     try:
         if (rundir / "config.json").exists():
@@ -244,6 +274,8 @@ def resumed(rundir: epath.Path, cfg: Config, launch: dict) -> dict:
     if changed:
         print(f"resuming with {', '.join(changed)}")
     run = read_json(rundir / "run.json")
+    if changes := code_changes(run):  # an edit meant for this run, or not: said, not refused
+        print(f"note: {changes}: the run goes on with the code as it is now")
     before = run.get("resumed", [])  # a hand-edited one is kept, as one more entry
     return {**run, "resumed": (before if isinstance(before, list) else [before]) + [launch]}
 

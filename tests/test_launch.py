@@ -1,5 +1,6 @@
 """The CLI: typed overrides, one-line errors for bad input, and a short run end to end."""
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -289,6 +290,33 @@ def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):
     assert "mfu" not in tags  # a CPU has no datasheet peak: no made-up MFU
     assert [e.step for e in acc.Scalars("loss/val")] == [0, 15, 30]
     assert acc.Scalars("loss/val")[-1].value == pytest.approx(evals[-1]["val_loss"], rel=1e-6)
+
+
+def test_a_run_resumed_or_read_with_other_code_says_which_files_changed(shakespeare, tmp_path):
+    """run.json records a hash of each file that defines the run's math at every launch. A resume
+    after model.py or train.py changed says which, and so do sample.py, eval.py and export.py of
+    the files of the forward (train.py is not): the same shapes may hold other math."""
+    from conftest import TINY_RUN
+    from run.rundir import TRAINING
+    rundir = tmp_path / "run"
+    r = run(["launch.py", *TINY_RUN, "--config.max_steps=1", f"--rundir={rundir}"])
+    assert r.returncode == 0, r.stderr
+    record = json.loads((rundir / "run.json").read_text())
+    assert "model.py" in TRAINING and record["code"] == {
+        f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest()[:12] for f in TRAINING}
+    record["code"] |= {"model.py": "0" * 12, "train.py": "0" * 12}  # as if trained before an edit
+    (rundir / "run.json").write_text(json.dumps(record))
+    commit = str(record["git"]["commit"])[:7] if record["git"]["commit"] else "unknown"
+    r = run(["sample.py", f"--rundir={rundir}", "--max_new_tokens=2"])
+    assert r.returncode == 0 and (f"note: model.py changed since this run's last launch (at commit "
+                                  f"{commit}): its checkpoint runs in the model as it is now"
+                                  ) in r.stderr.splitlines(), r.stderr
+    r = run(["launch.py", f"--rundir={rundir}", "--config.max_steps=2"])
+    assert r.returncode == 0 and (f"note: model.py, train.py changed since this run's last launch "
+                                  f"(at commit {commit}): the run goes on with the code as it is "
+                                  f"now") in r.stdout.splitlines(), r.stdout
+    r = run(["sample.py", f"--rundir={rundir}", "--max_new_tokens=2"])  # the resume's own record
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
 
 
 FIRST_STEP_FAILURES = {  # code run before launch.main, and whether the folder was there before

@@ -61,6 +61,12 @@ MUTATIONS = {
     "a policy row's sharding the devices do not divide let through": (
         "params.py", [("            if size % parts:", "            if size % parts and False:")],
         ["tests/test_model.py::test_a_policy_row_mistake_stops_launch_before_the_run_directory"]),
+    "a launch failed before its first step leaves its new run directory": (
+        "run/rundir.py", [("        if not existed:\n            rundir.rmdir()\n", "")],
+        ["tests/test_launch.py::test_any_error_before_the_first_step_undoes_the_launch"]),
+    "a resume with other code than trained the run is silent": (
+        "run/rundir.py", [("    if changes := code_changes(run):", "    if changes := None:")],
+        ["tests/test_launch.py::test_a_run_resumed_or_read_with_other_code_says_which_files_changed"]),
     "fused cross-entropy: its gradient without the readout multiplier": (
         "kernels/cross_entropy.py", [("dz_TV = (mult * g_T[:, None]", "dz_TV = (g_T[:, None]")],
         ["tests/test_kernels.py::test_the_fused_cross_entropy_is_the_cross_entropy_written_out"]),

@@ -158,8 +158,7 @@ def policy_table(model: GPT, cfg: Config, mesh_shape: dict[str, int] | None = No
 def check(cfg: Config, n_devices: int = 1) -> None:
     """The policy table of the model's shapes alone, its shardings on the mesh train.make_mesh
     makes of n_devices: launch.py's check before the run directory."""
-    mesh_shape = {"replica": cfg.mesh_replica, "fsdp": n_devices // cfg.mesh_replica}
-    policy_table(eqx.filter_eval_shape(GPT, cfg), cfg, mesh_shape)
+    policy_table(eqx.filter_eval_shape(GPT, cfg), cfg, cfg.mesh_shape(n_devices))
 
 
 def partition_specs(table):

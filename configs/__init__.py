@@ -186,6 +186,10 @@ class Config:
             return self.attn_tau / self.head_dim
         return 1 / math.sqrt(self.head_dim)
 
+    def mesh_shape(self, n_devices: int) -> dict[str, int]:
+        """The sizes of train.make_mesh's axes on n_devices: mesh_replica, and fsdp the rest."""
+        return {"replica": self.mesh_replica, "fsdp": max(n_devices // self.mesh_replica, 1)}
+
     @property
     def microbatch_size(self) -> int:
         return self.batch_size // self.grad_accum
@@ -200,7 +204,7 @@ class Config:
         for name in positive:  # first: the checks below divide by some of them
             if getattr(self, name) < 1:
                 raise UsageError(f"{name}={getattr(self, name)} must be at least 1")
-        fsdp = max(n_devices // self.mesh_replica, 1)  # mesh_replica > n_devices is reported below
+        fsdp = self.mesh_shape(n_devices)["fsdp"]  # mesh_replica > n_devices is reported below
         finite = ("rope_base", "alpha_in", "alpha_out", "attn_tau", "mlp_ratio")
         # the largest decay_fraction (to 3 decimals) whose decay starts after warmup
         most_decay = (self.max_steps - self.warmup_steps) * 1000 // self.max_steps / 1e3

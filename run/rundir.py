@@ -25,32 +25,41 @@ FORWARD = ("model.py", "layers/positions.py", "layers/mudd.py", "configs/__init_
 TRAINING = (*FORWARD, "params.py", "train.py", "optimizers.py")
 
 
+def top() -> Path:
+    """The top of the repo, or of tpu.sh's copy of it: this file's folder's parent."""
+    return Path(__file__).resolve().parents[1]
+
+
 def code_state() -> dict[str, str]:
     """A short hash of each of TRAINING's files as they are now."""
-    root = Path(__file__).resolve().parents[1]
-    return {f: hashlib.sha256((root / f).read_bytes()).hexdigest()[:12] for f in TRAINING}
+    return {f: hashlib.sha256((top() / f).read_bytes()).hexdigest()[:12] for f in TRAINING}
+
+
+def launches(run: dict) -> list:
+    """run.json's launches: the first (run.json itself), then each resume's; a hand-edited
+    "resumed" that is not a list is kept, as one more entry."""
+    resumes = run.get("resumed", [])
+    return [run, *(resumes if isinstance(resumes, list) else [resumes])]
 
 
 def code_changes(run: dict, files: tuple[str, ...] = TRAINING) -> str | None:
     """Which of `files` differ now from the hashes run.json records of the run's last launch, as
     the start of a line; None where none does, or that launch recorded none (before they were)."""
-    resumes = run.get("resumed", [])  # a hand-edited one may hold anything
-    last = ([run, *resumes] if isinstance(resumes, list) else [run, resumes])[-1]
-    code = last.get("code") if isinstance(last, dict) else None
-    if not isinstance(code, dict):
-        return None
+    last = launches(run)[-1]
+    code, git = (last.get("code"), last.get("git")) if isinstance(last, dict) else (None, None)
     now = code_state()
-    if not (changed := [f for f in files if code.get(f, now[f]) != now[f]]):
+    changed = [f for f in files if code.get(f, now[f]) != now[f]] if isinstance(code, dict) else []
+    if not changed:
         return None
-    commit = last.get("git", {}).get("commit") if isinstance(last.get("git"), dict) else None
+    commit = git.get("commit") if isinstance(git, dict) else None
     return (f"{', '.join(changed)} changed since this run's last launch (at commit "
             f"{commit[:7] if isinstance(commit, str) else 'unknown'})")
 
 
 def git_state() -> dict:
     """The commit and whether the tree was dirty; in a copy without .git (tpu.sh copy), from its
-    .mugpt_git, at the top of the copy (this file's folder's parent)."""
-    root = Path(__file__).resolve().parents[1]
+    .mugpt_git, at the top of the copy."""
+    root = top()
 
     def git(*args):
         try:
@@ -146,7 +155,7 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
         check_dataset(rundir, meta, data.data_dir(cfg))
         if saves:
             check_space(rundir, cfg)
-        before = {n: (rundir / n).read_bytes() if (rundir / n).exists() else None for n in names}
+        before = {n: (rundir / n).read_bytes() for n in names if (rundir / n).exists()}
         existed = rundir.exists()
         entries = {p.name for p in rundir.iterdir()} if existed else set()
         rundir.mkdir(parents=True, exist_ok=True)
@@ -173,8 +182,7 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
         for aside, name in renamed:  # --restart's, back
             (rundir / aside).rename(rundir / name)
         for name, old in before.items():
-            if old is not None:
-                (rundir / name).write_bytes(old)
+            (rundir / name).write_bytes(old)
         # what this launch added (the lock, the step-0 evaluation's logs, an empty checkpoints/):
         # a launch that failed before its first step (model.py's edit, say) leaves no trace
         for path in rundir.iterdir():
@@ -276,8 +284,7 @@ def resumed(rundir: epath.Path, cfg: Config, launch: dict) -> dict:
     run = read_json(rundir / "run.json")
     if changes := code_changes(run):  # an edit meant for this run, or not: said, not refused
         print(f"note: {changes}: the run goes on with the code as it is now")
-    before = run.get("resumed", [])  # a hand-edited one is kept, as one more entry
-    return {**run, "resumed": (before if isinstance(before, list) else [before]) + [launch]}
+    return {**run, "resumed": launches(run)[1:] + [launch]}
 
 
 _LOCKS = []  # lock_rundir's open lock files: closing one would release its lock

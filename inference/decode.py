@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import Config
-from kernels.agreement import TOLERANCE, relative_error, tokens
+from kernels.agreement import TOLERANCE, row_error, tokens
 from model import GPT, KVCache
 from run.errors import UsageError
 
@@ -48,13 +48,16 @@ def in_float32(model: GPT, cfg: Config) -> GPT:
 
 
 @eqx.filter_jit
-def cached_and_full_logits(model: GPT, tokens_S: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Decoding's logits and the full forward's over S tokens: a prefill of S - 1 tokens into a
-    cache of S, then one step at the last position, as generate runs them."""
+def cached_against_full(model: GPT, tokens_S: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Whether the full forward's logits over S tokens are finite, and how far decoding's are from
+    them (row_error): a prefill of S - 1 tokens into a cache of S, then one step at the last
+    position, as generate runs them. In one program: the start of every run calls it."""
     S = tokens_S.shape[0]
     x_SD, cache = extend(model, empty_cache(model, S), tokens_S.at[-1].set(0), 0)
     x_1D, _ = extend(model, cache, tokens_S[-1:], S - 1)
-    return jnp.concatenate([model.logits(x_SD[:-1]), model.logits(x_1D)]), model(tokens_S)
+    got_SV = jnp.concatenate([model.logits(x_SD[:-1]), model.logits(x_1D)])
+    want_SV = model(tokens_S)
+    return jnp.isfinite(want_SV).all(), row_error(got_SV, want_SV)  # position by position
 
 
 def check_cache(model: GPT, cfg: Config, S: int) -> None:
@@ -67,10 +70,9 @@ def check_cache(model: GPT, cfg: Config, S: int) -> None:
     layers, would hide a small difference or make one up."""
     tokens_S = jnp.asarray(tokens(S, cfg.vocab_size))  # special tokens among them
     with jax.default_matmul_precision("float32"):
-        got_SV, want_SV = cached_and_full_logits(in_float32(model, cfg), tokens_S)
-    if not jnp.isfinite(want_SV).all():  # the model's own logits overflow: nothing to compare
+        finite, error = map(float, cached_against_full(in_float32(model, cfg), tokens_S))
+    if not finite:  # the model's own logits overflow: nothing to compare
         return
-    error = relative_error(got_SV, want_SV)  # position by position
     if not error <= TOLERANCE["float32"]:
         raise UsageError(f"decoding with a KV cache does not give the model's own logits (they "
                          f"differ by {error:.3g} relative over {S} tokens): an edit of model.py "

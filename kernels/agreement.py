@@ -29,10 +29,15 @@ def relative_error(a: jax.Array, b: jax.Array) -> float:
     """The largest over rows (along the last axis: a position's, a head's values) of the norm of
     a - b over the norm of b (one axis: the whole array): a difference at a few positions (a
     window that cuts the last keys) is not averaged away by the others."""
+    return float(row_error(a, b))
+
+
+def row_error(a: jax.Array, b: jax.Array) -> jax.Array:
+    """relative_error as an array, for use inside a jit."""
     a, b = (jnp.atleast_2d(x.astype(jnp.float32)) for x in (a, b))
     row = lambda x: jnp.linalg.norm(x.reshape(-1, x.shape[-1]), axis=-1)  # noqa: E731
     norm = row(b)
-    return float(jnp.max(row(a - b) / jnp.maximum(norm, 1e-3 * jnp.max(norm) + 1e-30)))
+    return jnp.max(row(a - b) / jnp.maximum(norm, 1e-3 * jnp.max(norm) + 1e-30))
 
 
 def whole_relative_error(a: jax.Array, b: jax.Array) -> float:
@@ -75,6 +80,7 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
     shapes = eqx.filter_eval_shape(model.GPT, cfg, fast)
     params, static = eqx.partition(shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     T, dtype = min(cfg.block_size, 8), jnp.dtype(cfg.compute_dtype)
+    y_T = tokens(T, cfg.vocab_size)  # numpy: a jnp array made here would be traced (tools/sweeps)
 
     @jax.jit
     def both(scale):  # the unused arrays (the blocks') never made: XLA drops them
@@ -84,25 +90,25 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
         x_TD = spread((T, cfg.d_model), dtype, -1)
         h_TD, unembed_VD = gpt.readout_inputs(x_TD)
         inputs = h_TD, unembed_VD, gpt.readout_mult
+        want = model.readout(*inputs)
+        plain_T = optax.softmax_cross_entropy_with_integer_labels(want, y_T)
         # the same logits, each position's shifted by a constant that a softmax does not see: one
         # more feature, the constant, read with weight 1 / mult (in float32: no new rounding)
         h_TD, unembed_VD = h_TD.astype(jnp.float32), unembed_VD.astype(jnp.float32)
         shifted = (jnp.concatenate([h_TD, 3 * spread((T, 1), jnp.float32, -2)], 1),
                    jnp.pad(unembed_VD, ((0, 0), (0, 1)), constant_values=1 / gpt.readout_mult))
-        return (gpt.logits(x_TD), model.readout(*inputs), model.cross_entropy(*inputs, y_T),
-                model.cross_entropy(h_TD, unembed_VD, gpt.readout_mult, y_T),
-                model.cross_entropy(*shifted, gpt.readout_mult, y_T))
+        return (jnp.isfinite(want).all(), row_error(gpt.logits(x_TD), want),
+                row_error(model.cross_entropy(*inputs, y_T), plain_T),
+                row_error(model.cross_entropy(*shifted, gpt.readout_mult, y_T),
+                          model.cross_entropy(h_TD, unembed_VD, gpt.readout_mult, y_T)))
 
-    y_T = tokens(T, cfg.vocab_size)  # numpy: a jnp array made here would be traced (tools/sweeps)
+    # Compiled once and called: its values are concrete even where setup is traced (tools/sweeps),
+    # and it runs as one program, not op by op (jax.ensure_compile_time_eval) at every start.
+    compiled = both.lower(np.float32(1)).compile()
     for scale in SCALES:  # the parameters' (the stream is normed before the readout)
-        with jax.ensure_compile_time_eval():  # values, even where setup is traced (tools/sweeps)
-            logits, want, loss_T, loss32_T, shifted_T = both(scale)
-            if not jnp.isfinite(want).all():  # a readout that overflows (alpha_out=1e39): the
-                continue  # run's steps are non-finite, which train.py reports; nothing to compare
-            error = relative_error(logits, want)
-            plain_T = optax.softmax_cross_entropy_with_integer_labels(want, jnp.asarray(y_T))
-            loss_error = relative_error(loss_T, plain_T)
-            shift_error = relative_error(shifted_T, loss32_T)
+        finite, error, loss_error, shift_error = map(np.asarray, compiled(np.float32(scale)))
+        if not finite:  # a readout that overflows (alpha_out=1e39): the run's steps are
+            continue  # non-finite, which train.py reports; nothing to compare
         if not error <= TOLERANCE[cfg.compute_dtype]:
             raise UsageError(f"model.GPT.logits is not model.readout, which training's loss reads "
                              f"(they differ by {error:.3g} relative): an edit in GPT.logits "

@@ -69,3 +69,66 @@ def test_plots_remakes_an_evidence_folder_and_has_help(tmp_path):
     assert (tmp_path / "README.md").read_text() == (ROOT / "docs/mup/README.md").read_text()
     r = run(["-m", "tools.plots", str(tmp_path / "none")])
     assert r.returncode == 1 and r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+def readme_line(fragment: str) -> str:
+    """The README's code line holding fragment, without its indent and its comment."""
+    lines = [line for line in (ROOT / "README.md").read_text().splitlines() if fragment in line]
+    assert len(lines) == 1, f"README.md no longer holds one line with {fragment!r}"
+    return lines[0].split("  #")[0].strip()
+
+
+def test_the_readmes_model_edits_train_and_sample(shakespeare, tmp_path):
+    """README's SwiGLU and per-head temperature, their lines taken from README.md, made in a copy
+    of the repo as a researcher would: the copy trains (its parameter count is the unedited
+    model's plus the gate's L * D * F and the temperatures' L * H) and sample.py reads the run."""
+    import shutil
+
+    import equinox as eqx
+    import jax
+
+    import model
+    from conftest import TINY_RUN, tiny
+
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(
+        ".git", "data", "runs", "docs", "exports", "__pycache__", ".pytest_cache"))
+    (repo / "data").mkdir()
+    (repo / "data" / "shakespeare_char").symlink_to(shakespeare)
+    # (file, the line the edit is made at, what stands there after: "<line>" is that line)
+    edits = [
+        ("model.py", '    up: Float[Array, "D F"]', ["<line>", readme_line('gate: Float[Array, "D F"]')]),
+        ("model.py", "        self.up = jnp.zeros((cfg.d_model, cfg.mlp_width))",
+         ["<line>", readme_line("self.gate = jnp.zeros(")]),
+        ("model.py", '        h_TF = tap("mlp_hidden", (self.fast_gelu or gelu)(h_TF))',
+         [readme_line("g_TF = jnp.einsum("), readme_line("jax.nn.silu(g_TF) * h_TF")]),
+        ("params.py", '        "blocks.mlp.up": Policy(',
+         [readme_line('"blocks.mlp.gate": Policy(') + " " + readme_line("**hidden),"), "<line>"]),
+        ("model.py", '    q_norm: Float[Array, "K"]', ["<line>", readme_line('temp: Float[Array, "H"]')]),
+        ("model.py", "        self.q_norm, self.k_norm = jnp.ones(K), jnp.ones(K)",
+         ["<line>", "self.temp = jnp.zeros(H)"]),  # README: "__init__: jnp.zeros(H)"
+        ("model.py", "        attend_fn = self.fast_attend or attend",  # README: "before attend"
+         [readme_line("jnp.exp(self.temp)"), "<line>"]),
+        ("params.py", '        "blocks.attn.q_norm":',
+         [readme_line('"blocks.attn.temp": Policy('), "<line>"]),
+    ]
+    assert "__init__: jnp.zeros(H)" in (ROOT / "README.md").read_text()
+    for file, anchor, lines in edits:
+        path = repo / file
+        text = path.read_text()
+        at = next(line for line in text.splitlines() if line.startswith(anchor))
+        indent = " " * (len(at) - len(at.lstrip()))
+        assert text.count(at + "\n") == 1, at
+        made = [at if line == "<line>" else indent + line for line in lines]
+        path.write_text(text.replace(at + "\n", "\n".join(made) + "\n"))
+
+    rundir = tmp_path / "run"
+    r = run(["launch.py", *TINY_RUN, "--config.mlp_ratio=2.6667", "--config.max_steps=4",
+             "--config.eval_interval=4", "--config.eval_batches=1", f"--rundir={rundir}"], cwd=repo)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = tiny(mlp_ratio=2.6667)
+    plain = sum(x.size for x in jax.tree.leaves(eqx.filter_eval_shape(model.GPT, cfg, {})))
+    L, D, F, H = cfg.n_layer, cfg.d_model, cfg.mlp_width, cfg.n_head
+    assert f"{plain + L * D * F + L * H:,} parameters" in r.stdout + r.stderr
+    r = run(["sample.py", f"--rundir={rundir}", "--num_samples=1", "--max_new_tokens=8"], cwd=repo)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]

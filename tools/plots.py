@@ -383,7 +383,7 @@ def readme(doc: dict) -> str:
              f"--config={doc['config_name']}{''.join(' ' + o for o in doc['overrides'])}` at "
              f"commit {doc['commit'] or 'unknown (not made in a git checkout)'}. Generated from "
              "evidence.json, which holds each part's full settings: do not edit, rerun. Method "
-             "and reading: ../mup.md.", ""]
+             "and reading: the repository's docs/mup.md.", ""]
     if doc["dirty"]:
         lines += ["**Made from a tree with uncommitted changes: the commit alone does not "
                   "reproduce it.**", ""]

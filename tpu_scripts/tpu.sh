@@ -4,7 +4,7 @@
 #   tpu_scripts/tpu.sh create [--spot] [--queued] [-- GCLOUD_FLAGS]   on-demand by default; --queued: a queued resource
 #   tpu_scripts/tpu.sh delete [--queued]      the TPU (--queued: the queued resource and its TPU)
 #   tpu_scripts/tpu.sh copy                   this repo to ~/mugpt on every worker, less .git, runs/, data/, *.bin and
-#                                             bytecode (fetch the data onto the workers yourself: see README)
+#                                             bytecode (fetch the data onto the workers yourself: see docs/scaling.md)
 #   tpu_scripts/tpu.sh setup                  a virtual environment ~/mugpt-venv with a Python >= 3.11 on every worker,
 #                                             with jax[tpu], requirements.txt and gcsfs; the verbs' python3 is then its
 #   tpu_scripts/tpu.sh launch -- ARGS         python3 launch.py ARGS --multihost on every worker, detached from ssh,

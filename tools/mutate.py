@@ -39,6 +39,16 @@ MUTATIONS = {
     "KV cache: a slide keeps one token less": (
         "inference/decode.py", [("window_BS, jnp.int32(keep)", "window_BS, jnp.int32(keep - 1)")],
         ["tests/test_sample.py::test_cached_greedy_equals_greedy_by_recomputation"]),
+    "the readout check compares logits with themselves": (
+        "kernels/agreement.py", [("row_error(gpt.logits(x_TD), want)", "row_error(want, want)")],
+        ["tests/test_kernels.py::test_an_edit_that_reaches_the_logits_but_not_the_loss_is_refused"]),
+    "the KV-cache check compares logits with themselves": (
+        "inference/decode.py", [("row_error(got_SV, want_SV)", "row_error(want_SV, want_SV)")],
+        ["tests/test_sample.py::test_an_edit_decoding_does_not_follow_is_refused"]),
+    "the loss note's check compares the loss with itself": (
+        "kernels/agreement.py", [("row_error(model.cross_entropy(*inputs, y_T), plain_T)",
+                                  "row_error(plain_T, plain_T)")],
+        ["tests/test_kernels.py::test_a_loss_that_is_not_the_readouts_cross_entropy_is_said"]),
     "optimizer step counts reset at restore": (
         "run/checkpoint.py", [('return model, restored.state["opt_state"], restored.tally',
                                'zero = lambda x: x * 0 if x.ndim == 0 and x.dtype.kind == "i" '

@@ -97,14 +97,16 @@ def test_the_readmes_model_edits_train_and_sample(shakespeare, tmp_path):
     (repo / "data" / "shakespeare_char").symlink_to(shakespeare)
     # (file, the line the edit is made at, what stands there after: "<line>" is that line)
     edits = [
-        ("model.py", '    up: Float[Array, "D F"]', ["<line>", readme_line('gate: Float[Array, "D F"]')]),
+        ("model.py", '    up: Float[Array, "D F"]',
+         ["<line>", readme_line('gate: Float[Array, "D F"]')]),
         ("model.py", "        self.up = jnp.zeros((cfg.d_model, cfg.mlp_width))",
          ["<line>", readme_line("self.gate = jnp.zeros(")]),
         ("model.py", '        h_TF = tap("mlp_hidden", (self.fast_gelu or gelu)(h_TF))',
          [readme_line("g_TF = jnp.einsum("), readme_line("jax.nn.silu(g_TF) * h_TF")]),
         ("params.py", '        "blocks.mlp.up": Policy(',
          [readme_line('"blocks.mlp.gate": Policy(') + " " + readme_line("**hidden),"), "<line>"]),
-        ("model.py", '    q_norm: Float[Array, "K"]', ["<line>", readme_line('temp: Float[Array, "H"]')]),
+        ("model.py", '    q_norm: Float[Array, "K"]',
+         ["<line>", readme_line('temp: Float[Array, "H"]')]),
         ("model.py", "        self.q_norm, self.k_norm = jnp.ones(K), jnp.ones(K)",
          ["<line>", "self.temp = jnp.zeros(H)"]),  # README: "__init__: jnp.zeros(H)"
         ("model.py", "        attend_fn = self.fast_attend or attend",  # README: "before attend"

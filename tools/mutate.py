@@ -41,7 +41,8 @@ MUTATIONS = {
         ["tests/test_sample.py::test_cached_greedy_equals_greedy_by_recomputation"]),
     "the readout check compares logits with themselves": (
         "kernels/agreement.py", [("row_error(gpt.logits(x_TD), want)", "row_error(want, want)")],
-        ["tests/test_kernels.py::test_an_edit_that_reaches_the_logits_but_not_the_loss_is_refused"]),
+        ["tests/test_kernels.py::"
+         "test_an_edit_that_reaches_the_logits_but_not_the_loss_is_refused"]),
     "the KV-cache check compares logits with themselves": (
         "inference/decode.py", [("row_error(got_SV, want_SV)", "row_error(want_SV, want_SV)")],
         ["tests/test_sample.py::test_an_edit_decoding_does_not_follow_is_refused"]),

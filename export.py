@@ -16,8 +16,8 @@ Before it writes, export runs the PyTorch model it is about to write beside mode
 (float32, on the same tokens) and refuses in one line when they differ, naming every array of
 model.py's GPT that no exported tensor carries: an edit of model.py that hf/modeling_mugpt.py does
 not follow is never exported as a model that silently computes something else. DIR is written
-beside itself and renamed into place at the end (--force replaces it whole): an interrupted export
-leaves no half-written DIR. Needs requirements-export.txt (torch, transformers, safetensors)."""
+beside itself and renamed into place at the end (--force replaces an earlier export whole, no
+other folder): an interrupted export leaves no half-written DIR. Needs requirements-export.txt (torch, transformers, safetensors)."""
 import argparse
 import os
 import shutil
@@ -150,8 +150,12 @@ def check_out(out: Path, force: bool, rundir: epath.Path | None = None) -> None:
         if whole == run or whole in run.parents or run in whole.parents:
             raise UsageError(f"--out={out} is, holds or lies in the run directory {rundir}: "
                              "replacing it could delete the run; name a folder outside it")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise UsageError(f"--out={out} exists and is not empty: pass --force to replace it")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise UsageError(f"--out={out} exists and is not empty: pass --force to replace it")
+        if not (out / "modeling_mugpt.py").is_file():  # --force deletes out: only an export's
+            raise UsageError(f"--out={out} is not a folder export.py wrote (no modeling_mugpt.py): "
+                             "--force replaces only an earlier export; name a new or empty folder")
     parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent

@@ -402,6 +402,12 @@ def test_out_is_replaced_whole_and_never_half_written(runs, tmp_path, monkeypatc
     with pytest.raises(UsageError, match="--out=.*file is a file: export writes a folder"):
         export.export(epath.Path(rundir), tmp_path / "file", force=True)
     assert (tmp_path / "file").read_text() == "mine"
+    (tmp_path / "notes" / "sub").mkdir(parents=True)  # not an export: --force does not delete it
+    (tmp_path / "notes" / "sub" / "results.csv").write_text("mine")
+    with pytest.raises(UsageError, match="notes is not a folder export.py wrote .*: --force "):
+        export.export(epath.Path(rundir), tmp_path / "notes", force=True)
+    assert (tmp_path / "notes" / "sub" / "results.csv").read_text() == "mine"
+    shutil.rmtree(tmp_path / "notes")
     out = tmp_path / "out"
     shutil.copytree(hf_dir, out)
     (out / "stale.txt").write_text("an older export's")

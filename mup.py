@@ -13,8 +13,9 @@ in depth under CompleteP). LR sweeps: the validation loss per LR and seed (muP's
 stay put, SP's move; README.md says what the seeds resolve). Curves: the train loss at the base LR.
 DIR/evidence.json holds the git commit (and whether the tree was dirty), the rules' fingerprint
 (rules()), each part's settings (its full resolved config too) and results, written after each
-size: the same command resumes; an --out of other settings is refused. README.md and the figures
-come from the JSON (tools/plots.py), every claim there computed with its threshold."""
+size: the same command resumes; an --out of other settings, or of files but no evidence.json, is
+refused. README.md and the figures come from the JSON (tools/plots.py), every claim there computed
+with its threshold."""
 import argparse
 import dataclasses
 import json
@@ -177,7 +178,8 @@ def measure(s: dict, size: int, lrs_per_program: int | None = None):
 
 def open_out(text: str, new: dict, rules_now: dict) -> tuple[Path, dict]:
     """--out, checked before any training: a writable directory and its evidence.json ({} if
-    none), which must be of these settings and rules: others are refused, never overwritten."""
+    none: then a new or empty one), which must be of these settings and rules: others are
+    refused, never overwritten."""
     out, path = Path(text), Path(text, "evidence.json")
     try:
         if not text or path.is_dir():
@@ -188,6 +190,12 @@ def open_out(text: str, new: dict, rules_now: dict) -> tuple[Path, dict]:
         raise UsageError(f"--out={out if text else ''} cannot be written ({e.strerror or e}): "
                          "pick another directory") from None
     if not path.exists():
+        # a folder of other files (notes, or --out=. in the repo) is not evidence's: our README.md
+        # would overwrite theirs. Hidden ones are ignored: none is overwritten, and a write killed
+        # midway leaves its temporary (.NAME.PID.EXT, plots.write_atomic)
+        if any(not p.name.startswith(".") for p in out.iterdir()):
+            raise UsageError(f"--out={out} holds files but no {path.name}: "
+                             "pick an empty or new folder, or one that mup.py evidence wrote")
         return out, {}
     try:
         old = json.loads(path.read_text())
@@ -226,9 +234,10 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
                **commit, "rules": rules_now, "settings": parts,
                "results": {p: dict(sorted(r.items())) for p, r in results.items()}}
         doc = json.loads(json.dumps(doc))  # sizes as strings, as a reread file has them
+        # evidence.json first: a run stopped in between leaves a folder that open_out takes as ours
+        plots.write_atomic(out / "evidence.json", lambda p: p.write_text(json.dumps(doc, indent=1)))
         for p in [part] if part else doc["results"]:
             plots.write(out, doc, p)
-        plots.write_atomic(out / "evidence.json", lambda p: p.write_text(json.dumps(doc, indent=1)))
         if part:  # sizes differ in cost: the estimate is the mean so far times those left
             spent = time.monotonic() - start
             left = spent / (done + 1) * (len(todo) - done - 1)

@@ -7,9 +7,10 @@ trains the baseline and each variant (SharedKV, grouped-query attention with n_h
 heads, MUDD, ALiBi, MUDD + SharedKV) at the quickstart's recipe (configs/shakespeare_char_cpu.py,
 its fast form: two CPU devices, data-parallel) from each seed (each its own initial model and
 batch order: --config.seed), with launch.py in a subprocess each (runs/variants/SIZE/VARIANT/sSEED,
-resumed when rerun). Then it evaluates each final model on fixed validation batches at 1x, 2x and
-4x the training length (ALiBi's claim), and writes OUT/SIZE.json (every number, the commit, whether
-the tree was dirty, the settings) and the markdown tables OUT/SIZE.md: mean ± sd over seeds, each
+resumed when rerun; one there of another config, as another --steps, is refused). Then it
+evaluates each final model on fixed validation batches at 1x, 2x and 4x the training length
+(ALiBi's claim), and writes OUT/SIZE.json (every number, the commit, whether the tree was dirty,
+the settings) and the markdown tables OUT/SIZE.md: mean ± sd over seeds, each
 variant minus the baseline with its 95% interval, and each variant's loss at 2x and 4x the length
 minus its own at 1x, seed by seed, with its 95% interval. With --out=docs/variants the tables also
 go into docs/variants.md (between its markers); the default --out leaves tracked files alone.
@@ -20,6 +21,7 @@ BENCHMARKS.md are).
 the LR); "gpu" 14M parameters (width 384, 8 layers, 600 steps of 64 x 256 tokens, bfloat16) on
 one GPU; "tiny" a toy size for the CPU test of the whole command.
 """
+import dataclasses
 import logging
 import json
 import os
@@ -60,6 +62,29 @@ def overrides(size: str, variant: str, seed: int, steps: int | None) -> list[str
                  f"--config.eval_interval={steps}"]
     n_head = int(next((a.split("=")[1] for a in args if a.startswith("--config.n_head=")), 4))
     return [a.replace("N_HEAD/4", str(max(n_head // 4, 1))) for a in args]
+
+
+def check_run(rundir: Path, args: list[str], size: str) -> None:
+    """A run already in rundir is resumed only into the config it was started with: launch.py lets
+    a run change max_steps (to extend it), but a --steps=20 run resumed to 25 has run past the end
+    of its own cosine schedule, and is no 25-step run. Another config is refused in one line."""
+    import configs
+    from run.errors import UsageError
+    from run.rundir import saved_config
+
+    if not (rundir / "config.json").exists():
+        return  # nothing trained there yet
+    replica = f"--config.mesh_replica={2 if size in CPU_SIZES else 1}"  # as train_run's launch
+    cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), [replica, *args])
+    try:
+        saved = saved_config(rundir)
+    except UsageError as e:  # its fix in this command's flag
+        sys.exit(f"error: {e}".replace("--rundir", "--runs"))
+    differ = [f"{n}={saved[n]!r} there, {v!r} here" for n, v in dataclasses.asdict(cfg).items()
+              if saved[n] != v]
+    if differ:
+        sys.exit(f"error: {rundir} holds a run of another config ({'; '.join(differ[:3])}"
+                 f"{' ...' * (len(differ) > 3)}): pass another --runs, or remove the folder")
 
 
 def train_run(rundir: Path, args: list[str], size: str) -> None:
@@ -204,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="OUT/SIZE.md (and docs/variants.md's block) from OUT/SIZE.json; "
                     "nothing trains")
     args = ap.parse_args(argv)
+    if args.steps is not None and args.steps < 1:  # 0 would read as "no --steps": the full schedule
+        sys.exit(f"error: --steps={args.steps}: pass a positive number of steps, or leave --steps "
+                 "out for the size's full schedule")
     if args.remake:
         path = ROOT / args.out / f"{args.size}.json"
         try:
@@ -221,18 +249,21 @@ def main(argv: list[str] | None = None) -> None:
     names = args.variants.split(",")
     if unknown := [n for n in names if n not in VARIANTS]:
         sys.exit(f"error: unknown variant {unknown[0]!r}; the variants: {', '.join(VARIANTS)}")
+    runs = [(seed, variant, ROOT / args.runs / args.size / variant / f"s{seed}",
+             overrides(args.size, variant, seed, args.steps))
+            for seed in seeds for variant in names]
+    for _, _, rundir, run_args in runs:  # all before any trains: a refusal costs no training
+        check_run(rundir, run_args, args.size)
     results = {variant: {} for variant in names}
     n, start = len(seeds) * len(names), time.monotonic()
-    for seed in seeds:  # every variant's first seed first: an early stop still compares them all
-        for variant in names:
-            run_args = overrides(args.size, variant, seed, args.steps)
-            rundir = ROOT / args.runs / args.size / variant / f"s{seed}"
-            k = sum(map(len, results.values()))  # runs done so far
-            left = (time.monotonic() - start) / k * (n - k) / 60 if k else None
-            eta = f", about {left:.0f} min left" if k else ""
-            print(f"[{k + 1}/{n}] {variant} seed {seed}: {rundir}{eta}", flush=True)
-            train_run(rundir, run_args, args.size)
-            results[variant][str(seed)] = measure(rundir, run_args)
+    # every variant's first seed first: an early stop still compares them all
+    for seed, variant, rundir, run_args in runs:
+        k = sum(map(len, results.values()))  # runs done so far
+        left = (time.monotonic() - start) / k * (n - k) / 60 if k else None
+        eta = f", about {left:.0f} min left" if k else ""
+        print(f"[{k + 1}/{n}] {variant} seed {seed}: {rundir}{eta}", flush=True)
+        train_run(rundir, run_args, args.size)
+        results[variant][str(seed)] = measure(rundir, run_args)
     results = json.loads(json.dumps(results))  # the lengths' keys as the file will hold them
     from run import rundir
     state = rundir.git_state()

@@ -399,6 +399,31 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
         assert {f: f.read_bytes() for f in where.iterdir()} == before
 
 
+def test_evidence_refuses_a_folder_of_other_files(tmp_path, monkeypatch):
+    """An --out of someone's files but no evidence.json (their notes; --out=. in the repo, its
+    README.md) is not taken for evidence's own, whose README.md would overwrite theirs: refused in
+    one line before any training, its files as they were. A new or empty folder is evidence's."""
+    def measure(*_):
+        raise AssertionError("trained")
+    monkeypatch.setattr(mup, "measure", measure)
+    args = ["evidence", "--preset=tiny", "--seeds=1", "--parts=coord_width"]
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "README.md").write_text("my notes\n")
+    monkeypatch.chdir(notes)
+    for out in (str(notes), "."):
+        with pytest.raises(SystemExit, match="^" + re.escape(
+                f"error: --out={out} holds files but no evidence.json: pick an empty or new "
+                "folder, or one that mup.py evidence wrote")):
+            mup.main([*args, f"--out={out}"])
+        assert os.listdir(notes) == ["README.md"]
+        assert (notes / "README.md").read_text() == "my notes\n"
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "empty", tmp_path / "new"):
+        with pytest.raises(AssertionError, match="trained"):  # taken: it trains
+            mup.main([*args, f"--out={out}"])
+
+
 def test_parts_measures_those_now_and_the_same_command_the_rest_later(tmp_path, monkeypatch, capsys):
     """--parts=lr_width,lr_depth (a slow optimizer's sweeps first, say): their sizes only, a line saying
     what is left; the same command without --parts then measures only the others."""

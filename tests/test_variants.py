@@ -1,6 +1,8 @@
 """The seeds' variants (grouped-query and SharedKV attention, ALiBi, MUDD connections) against the
 numpy reference written from the papers' equations, their KV caches, FSDP and resume."""
 import dataclasses
+import json
+import re
 
 import equinox as eqx
 import jax
@@ -281,3 +283,53 @@ def test_docs_variants_tables_are_current():
 def test_the_variants_command_refuses_bad_flags_in_one_line(args, message):
     r = run(["variants.py", *args])
     assert r.returncode == 1 and r.stderr.startswith(message) and len(r.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("steps", ["0", "-5"])
+def test_the_variants_command_refuses_steps_below_1_before_writing(steps, tmp_path, monkeypatch):
+    """--steps=0 is not the size's full schedule, nor -5 a failed launch: each is refused in one
+    line before any run trains or any file is written."""
+    import variants
+
+    def train_run(*_):
+        raise AssertionError("trained")
+    monkeypatch.setattr(variants, "train_run", train_run)
+    with pytest.raises(SystemExit, match="^" + re.escape(
+            f"error: --steps={steps}: pass a positive number of steps")) as e:
+        variants.main(["--size=tiny", "--variants=baseline", "--seeds=0", f"--steps={steps}",
+                       f"--runs={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}"])
+    assert "\n" not in str(e.value.code) and not list(tmp_path.iterdir())
+
+
+def test_the_variants_command_resumes_no_run_into_another_schedule(shakespeare, tmp_path,
+                                                                    monkeypatch):
+    """A run trained for --steps=2 is not resumed to 3 steps (its 2-step cosine schedule run past
+    its end, reported as the 3-step result): refused in one line, naming the folder and the fix,
+    before any run trains, the run's files (its launch.log too) as they were. The same command
+    again reuses the run."""
+    import subprocess
+    import variants
+    args = ["--size=tiny", "--variants=baseline", "--seeds=0", f"--runs={tmp_path / 'runs'}",
+            f"--out={tmp_path / 'out'}"]
+    r = run(["variants.py", *args, "--steps=2"], timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rundir = tmp_path / "runs" / "tiny" / "baseline" / "s0"
+    files = lambda: {p: p.read_bytes() for p in rundir.rglob("*") if p.is_file()}
+    before = files()
+    r = run(["variants.py", *args, "--steps=3"], timeout=1200)
+    assert (r.returncode, r.stderr) == (1, f"error: {rundir} holds a run of another config "
+                                           "(max_steps=2 there, 3 here; eval_interval=2 there, 3 "
+                                           "here): pass another --runs, or remove the folder\n")
+    assert files() == before
+    launch = subprocess.run
+
+    def no_launch(cmd, *a, **k):  # git's commands run, launch.py's not
+        assert "launch.py" not in cmd, "trained"
+        return launch(cmd, *a, **k)
+    monkeypatch.setattr(subprocess, "run", no_launch)
+    monkeypatch.setattr(variants, "measure", lambda *_: {"reused": True})
+    monkeypatch.setattr(variants, "write_report", lambda *_: None)
+    monkeypatch.setattr(variants, "table", lambda *_: "")
+    variants.main([*args, "--steps=2"])
+    assert json.loads((tmp_path / "out" / "tiny.json").read_text())["results"] == {
+        "baseline": {"0": {"reused": True}}}

@@ -46,7 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     params, static = eqx.partition(model, eqx.is_array)  # every device holds all of the model
     model = eqx.combine(jax.device_put(params, NamedSharding(mesh, P())), static)
     batch = -(-args.batch_size // jax.device_count()) * jax.device_count()
-    print(json.dumps({"step": step, **tasks(model, NamedSharding(mesh, P("batch")), batch)}))
+    try:
+        scores = tasks(model, NamedSharding(mesh, P("batch")), batch)
+    except (jax.errors.JaxRuntimeError, MemoryError) as e:  # XLA's or numpy's: a traceback
+        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        sys.exit(f"error: out of memory ({str(e).splitlines()[0][:100]}): lower "
+                 f"--batch_size={args.batch_size}")
+    print(json.dumps({"step": step, **scores}))
 
 
 if __name__ == "__main__":

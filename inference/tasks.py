@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs import Config
 from kernels import fast_paths
 from run.errors import UsageError
+from text import corpus
 
 
 
@@ -58,6 +59,11 @@ def load_task(name: str, limit: int | None = None) -> list[dict]:
         import datasets
 
         source, split, convert = HF_TASKS[name]
+        try:
+            corpus.hub_reachable(source)  # offline: huggingface_hub's retries, a line each
+        except UsageError:
+            raise UsageError(f"task {name}: the Hugging Face Hub cannot be reached for {source}: "
+                             "get internet once, or pass a local .jsonl") from None
         try:
             records = datasets.load_dataset(source, split=split)
         except Exception as e:  # offline, say
@@ -215,6 +221,9 @@ class Tasks:
             examples = load_task(name, limit)
             if examples:
                 task = Path(name).stem if name not in HF_TASKS else name
+                if task in self.tasks:  # their scores would be logged as one
+                    raise UsageError(f"two tasks are named {task!r} (the task files' names "
+                                     f"without folder and .jsonl): rename one of them")
                 self.tasks[task] = examples, tokenize(requests(examples), encode, T)
 
     def __call__(self, model, sharding, batch: int) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """eval.py against EleutherAI's lm-evaluation-harness scoring the exported model, against values
 computed by hand, and on 1 and 4 devices."""
 import json
+import shutil
 
 import equinox as eqx
 import jax
@@ -143,6 +144,28 @@ def test_bad_task_is_one_line(exported, tmp_path):
     for flag in ("--batch_size=0", "--limit=0"):  # a division by zero; no metrics at all
         r = run(["eval.py", f"--rundir={rundir}", f"--tasks={bad}", flag])
         assert r.returncode == 1 and r.stderr.strip() == f"error: {flag}: pass a number of 1 or more"
+    # offline: one line, not huggingface_hub's retries (nothing listens on port 9)
+    r = run(["eval.py", f"--rundir={rundir}", "--tasks=lambada"],
+            env={"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0"})
+    assert r.returncode == 1 and r.stderr.strip() == (
+        "error: task lambada: the Hugging Face Hub cannot be reached for "
+        "EleutherAI/lambada_openai: get internet once, or pass a local .jsonl"), r.stderr
+    # two files of one name would be scored as one task, one of them dropped
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        shutil.copy(ROOT / "tests/tasks/mc3.jsonl", tmp_path / folder / "mc3.jsonl")
+    both = f"{tmp_path}/a/mc3.jsonl,{tmp_path}/b/mc3.jsonl"
+    r = run(["eval.py", f"--rundir={rundir}", f"--tasks={both}"])
+    assert r.returncode == 1 and r.stderr.strip() == ("error: two tasks are named 'mc3' (the task "
+                                                      "files' names without folder and .jsonl): "
+                                                      "rename one of them")
+    # numpy's (the padded batch) and XLA's out of memory: one line naming --batch_size
+    for size in (10**9, 3 * 10**6):
+        r = run(["eval.py", f"--rundir={rundir}", f"--tasks={ROOT / 'tests/tasks/mc3.jsonl'}",
+                 f"--batch_size={size}"])
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip().startswith("error: out of memory (") and r.stderr.strip().endswith(
+            f"lower --batch_size={size}"), r.stderr
 
 
 def test_tasks_in_the_loop_log_eval_py_numbers_to_tensorboard(exported):

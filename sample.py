@@ -59,8 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "ALiBi extrapolates, RoPE meets positions it never trained on")
     args = ap.parse_args(argv)
     checks = (
-        ("num_samples", args.num_samples >= 1, "at least 1"),
-        ("max_new_tokens", args.max_new_tokens >= 1, "at least 1"),
+        # past ~2**30 samples XLA aborts the process while it sizes the buffers
+        ("num_samples", 1 <= args.num_samples <= 2**20, "at least 1 and at most 2**20 a call"),
+        ("max_new_tokens", 1 <= args.max_new_tokens < 2**31, "at least 1 and below 2**31"),
+        ("seed", 0 <= args.seed < 2**31, "in [0, 2**31)"),  # as launch.py's --config.seed
         ("temperature", 0 <= args.temperature < float("inf"), "finite and at least 0 (0: greedy)"),
         ("top_k", args.top_k >= 0, "at least 0 (0: off)"),
         ("top_p", 0 < args.top_p <= 1, "in (0, 1]"),

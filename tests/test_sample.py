@@ -238,6 +238,9 @@ def test_bad_input_is_one_line(run_dir, tmp_path):
     assert error_line([f"--rundir={run_dir}", "--top_p=0"]) == "error: --top_p=0.0 must be in (0, 1]"
     assert error_line([f"--rundir={run_dir}", "--temperature=inf"]).startswith("error: --temperature=inf must be finite")
     assert error_line([f"--rundir={run_dir}", "--context=1"]) == "error: --context=1 must be at least 2"
+    # XLA aborts the process (no Python error) when it sizes 2**31 samples' buffers
+    assert error_line([f"--rundir={run_dir}", f"--num_samples={2**31 - 1}"]).endswith("at most 2**20 a call")
+    assert error_line([f"--rundir={run_dir}", f"--seed={2**31}"]) == f"error: --seed={2**31} must be in [0, 2**31)"
     # past block_size is allowed (ALiBi extrapolates): out of memory is one line naming --context
     # (a context of 3M tokens: 9e12 attention scores a head, past any machine)
     assert error_line([f"--rundir={run_dir}", "--context=3000000"]).startswith("error: out of memory (RESOURCE_EXHAUSTED")

@@ -251,10 +251,8 @@ def main() -> None:
     ap = ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", required=True, help=f"one of: {', '.join(configs.available())}")
     ap.add_argument("--steps", type=int, default=20, help="timed steps after compile and warmup")
-    ap.add_argument("--torch", action="store_true",
-                    help="also time an eager PyTorch version (needs torch)")
-    ap.add_argument("--trace", metavar="DIR",
-                    help="also trace 3 calls into DIR; print the costliest ops to stderr")
+    ap.add_argument("--torch", action="store_true", help="also time an eager PyTorch version")
+    ap.add_argument("--trace", metavar="DIR", help="also trace 3 calls into DIR; print the top ops")
     ap.add_argument("--checkpoint", metavar="DIR",
                     help="also save the state as a checkpoint into DIR (a new directory) and time "
                          "it, with its files' record (run/written.py) and the check at restore")
@@ -266,6 +264,8 @@ def main() -> None:
     try:
         if args.steps < 1:
             raise UsageError(f"--steps={args.steps} must be at least 1")
+        if args.time_to is not None and not 0 < args.time_to < float("inf"):  # nan: never reached
+            raise UsageError(f"--time-to={args.time_to} must be a loss above 0 and finite")
         if args.torch and importlib.util.find_spec("torch") is None:
             raise UsageError("--torch needs PyTorch, which is not installed: pip install torch")
         cfg = configs.apply_overrides(configs.load(args.config), overrides)

@@ -141,7 +141,11 @@ def test_bench_refuses_a_folder_it_cannot_write_before_timing(tmp_path):
                         (["--time-to=3", f"--rundir={tmp_path / 'file'}"],
                          f"--rundir={tmp_path / 'file'}: {where}; name another --rundir"),
                         ([f"--rundir={tmp_path / 'run'}"],
-                         "--rundir is --time-to's run directory: add --time-to=LOSS or drop it")]:
+                         "--rundir is --time-to's run directory: add --time-to=LOSS or drop it"),
+                        # nan is never reached (all max_steps trained), inf at step 0
+                        *[([f"--time-to={v}", f"--rundir={tmp_path / 'run'}"],
+                           f"--time-to={float(v)} must be a loss above 0 and finite")
+                          for v in ("nan", "inf", "-1", "0")]]:
         r = run(["bench.py", *TINY, "--steps=1", "--config.max_steps=1", *args])
         assert r.returncode == 1 and r.stderr.startswith(f"error: {error}"), r.stderr
         assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()

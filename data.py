@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -230,6 +231,9 @@ def main():
             prepare_shakespeare_char(out)
         elif args.source or args.name in HF_SOURCES:
             source = args.source or HF_SOURCES[args.name]
+            if (out / "meta.json").exists():  # documented, but a run on it then cannot resume
+                print(f"note: replacing the dataset in {out}: a run trained on it resumes only "
+                      "on the same tokens (prepare it as it was)", file=sys.stderr)
             prepare_text(out, source, args.text_field, args.val_fraction, args.tokenizer)
         else:
             raise UsageError(f"don't know where {args.name!r} comes from: "

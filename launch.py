@@ -17,7 +17,7 @@ import configs
 from configs import apply_overrides
 from run.devices import default_memory_fraction
 from run.errors import ArgumentParser, RunError, UsageError
-from run.rundir import open_rundir, resume_config
+from run.rundir import check_dataset, open_rundir, resume_config
 
 MULTIHOST = ("coordinator_address", "num_processes", "process_id")  # jax.distributed's arguments
 
@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint.quiet_failed_saves()
         with distributed.fail_together():  # from here on, an error in one process stops them all
             cfg.check(jax.device_count())
-            # bad data is reported before the run directory is written
+            # bad data is reported before the run directory is written; a resume's dataset
+            # prepared again as such first (its new vocabulary is not the fault to name)
+            if args.rundir and "://" not in args.rundir:  # gs:// is reached in open_rundir
+                check_dataset(epath.Path(args.rundir), data.read_meta(cfg), data.data_dir(cfg))
             data.load_split(cfg, "train"), data.load_split(cfg, "val")
             params.check(cfg, jax.device_count())  # an edited model.py's parameter without a row
             # Process 0 checks and writes the run directory; the others only train in it.

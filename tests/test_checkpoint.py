@@ -394,6 +394,12 @@ def test_the_run_keeps_its_dataset_record(shakespeare, tmp_path, env):
     where = data_root / "shakespeare_char"
     assert_one_line_error(r, f"{where} is not the dataset {rundir} trained on (tokenizer ")
     assert {name: (rundir / name).read_text() for name in before} == before
+    # with more ids than the run's model has too: named as another dataset, not as a vocab_size
+    # to set (a resume cannot change it)
+    meta_path.write_text(json.dumps({**meta, "vocab_size": 200}))
+    r = run(launch_args(rundir, "--config.max_steps=8", f"--config.data_root={data_root}"), env)
+    assert_one_line_error(r, f"{where} is not the dataset {rundir} trained on (tokenizer ")
+    meta_path.write_text(json.dumps(meta))
     assert committed_steps(rundir) == [4]
     # before its first checkpoint a run directory takes the dataset as it is now (a launch that
     # failed early: no checkpoint, and none recorded as saved)

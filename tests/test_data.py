@@ -204,6 +204,17 @@ def test_preparing_again_leaves_a_running_reader_the_old_tokens(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
 
 
+def test_preparing_a_dataset_again_says_it_replaces_one(tmp_path, monkeypatch, capsys):
+    """Replacing is documented, but a run trained on the old tokens then cannot resume: said."""
+    monkeypatch.setattr(data, "ROOT", tmp_path)
+    (tmp_path / "corpus.txt").write_text("\n\n".join(f"document {i}" for i in range(20)))
+    monkeypatch.setattr(sys, "argv", ["data.py", "c", f"--source={tmp_path / 'corpus.txt'}"])
+    for again in (False, True):
+        data.main()
+        assert ("note: replacing the dataset in" in capsys.readouterr().err) == again
+    assert (tmp_path / "data" / "c" / "meta.json").exists()
+
+
 def test_offline_downloads_are_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # nothing listens on port 9
     with pytest.raises(UsageError, match=f"get internet, or put the file at {tmp_path / 'sc' / 'input.txt'}"):

@@ -17,7 +17,8 @@ Before it writes, export runs the PyTorch model it is about to write beside mode
 model.py's GPT that no exported tensor carries: an edit of model.py that hf/modeling_mugpt.py does
 not follow is never exported as a model that silently computes something else. DIR is written
 beside itself and renamed into place at the end (--force replaces an earlier export whole, no
-other folder): an interrupted export leaves no half-written DIR. Needs requirements-export.txt (torch, transformers, safetensors)."""
+other folder): an interrupted export leaves no half-written DIR. Needs requirements-export.txt
+(torch, transformers, safetensors)."""
 import argparse
 import os
 import shutil

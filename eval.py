@@ -13,7 +13,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from inference.tasks import Tasks
-from run.errors import ArgumentParser, UsageError
+from run.errors import ArgumentParser, UsageError, out_of_memory
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -49,10 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         scores = tasks(model, NamedSharding(mesh, P("batch")), batch)
     except (jax.errors.JaxRuntimeError, MemoryError) as e:  # XLA's or numpy's: a traceback
-        if isinstance(e, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" not in str(e):
+        if (oom := out_of_memory(e)) is None:
             raise
-        sys.exit(f"error: out of memory ({str(e).splitlines()[0][:100]}): lower "
-                 f"--batch_size={args.batch_size}")
+        sys.exit(f"error: out of memory ({oom[:100]}): lower --batch_size={args.batch_size}")
     print(json.dumps({"step": step, **scores}))
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from etils import epath
 
 from inference.decode import check_cache, generate, prompt_window
-from run.errors import ArgumentParser, UsageError
+from run.errors import ArgumentParser, UsageError, out_of_memory
 from run.reading import read_config, read_dataset_record, restore_model, tokenizer
 
 
@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:
         sys.exit(f"error: {e}")
     except jax.errors.JaxRuntimeError as e:  # XLA's out of memory: a traceback
-        if "RESOURCE_EXHAUSTED" not in str(e):
+        if (oom := out_of_memory(e)) is None:
             raise
         # the prompt's window is read in one pass: S x S attention scores a head (a long
         # --context may be meant: ALiBi extrapolates, so it is not refused before)
-        sys.exit(f"error: out of memory ({str(e).splitlines()[0][:100]}): the prompt is read "
+        sys.exit(f"error: out of memory ({oom[:100]}): the prompt is read "
                  f"in one pass of {S} x {S} attention scores a head: lower --context (the "
                  f"model's block_size is {cfg.block_size}) or --num_samples")
     t2 = time.perf_counter()

@@ -25,7 +25,7 @@ from optimizers import applied_lr, make_optimizer
 from params import flops_per_token, init_gpt, partition_specs, policy_table
 from run.checkpoint import checkpoint_manager, one_line, resume, save_checkpoint
 from run.distributed import stop_signals
-from run.errors import RunError, UsageError
+from run.errors import RunError, UsageError, out_of_memory
 from run.metrics import Logger, Tally, peak_flops
 from text import tokenization
 
@@ -227,9 +227,9 @@ def explain_out_of_memory(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except jax.errors.JaxRuntimeError as e:
-            if "RESOURCE_EXHAUSTED" not in str(e):
+            if (oom := out_of_memory(e)) is None:
                 raise
-            raise RunError(f"out of memory ({str(e).splitlines()[0]}): make microbatches smaller "
+            raise RunError(f"out of memory ({oom}): make microbatches smaller "
                            "(a larger --config.grad_accum), recompute more (--config.remat="
                            "save_dots or full) or chunk the loss (--config.loss_chunks)") from None
     return wrapped

@@ -18,3 +18,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"error: {message} (see --help)\n")
+
+
+def out_of_memory(e: BaseException) -> str | None:
+    """The first line of XLA's out-of-memory error (RESOURCE_EXHAUSTED, a JaxRuntimeError) or of
+    numpy's MemoryError, for a command's one line; None for any other error."""
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e):
+        return (str(e) or type(e).__name__).splitlines()[0]
+    return None

@@ -76,5 +76,6 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
     try:
         return checkpoint.restore_model(mngr, placeholders, step), step
     except checkpoint.Damaged as e:  # left as it is: someone else's run, perhaps still training
+        checkpoint.quiet_failed_saves()  # orbax's reads of the other arrays, abandoned, say it too
         others = ", ".join(str(s) for s in steps if s != step)
         raise UsageError(f"{e}" + (f" (pass --step=: there are also {others})" if others else ""))

@@ -398,6 +398,30 @@ def test_sample_names_a_damaged_checkpoint_and_the_others(straight, tmp_path, en
     assert committed_steps(rundir) == [STEPS // 2, STEPS]
 
 
+def test_a_checkpoint_zstd_refuses_is_one_line_and_nothing_after_it(straight, tmp_path, env):
+    """Every array data file's zstd frame broken, the record written again (damage it cannot see):
+    the first read that fails is the one line, and orbax's reads of the other arrays, abandoned
+    in flight, print nothing after it (their errors at the exit were tracebacks in some runs).
+    Eight reads in one process, so the old noise was all but certain."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    ckpt = rundir / "checkpoints" / str(STEPS)
+    for path in (ckpt / "state").glob("ocdbt.process_*/d/*"):
+        data = path.read_bytes()
+        path.write_bytes(bytes(b ^ 0xFF for b in data[:4]) + data[4:])
+    record(epath.Path(ckpt))
+    probe = ("import gc, sys; from etils import epath; from run import reading\n"
+             f"rundir = epath.Path({str(rundir)!r}); cfg = reading.read_config(rundir)\n"
+             "for _ in range(8):\n"
+             "    try: reading.restore_model(rundir, cfg, None)\n"
+             "    except reading.UsageError as e: print(e); gc.collect()\n")
+    r = run(["-c", probe], env)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    said = r.stdout.splitlines()
+    assert len(said) == 8 and all("is damaged: reading it failed" in s and "ZSTD" in s
+                                  for s in said), r.stdout
+
+
 def test_malformed_step_metadata_leaves_the_other_checkpoints_readable(straight, tmp_path, env):
     """orbax's metadata of one step malformed (the types wrong): sample.py of that step is one line
     naming the others, sample.py --step= of an intact one samples (it was a traceback), and a

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,6 +145,17 @@ def run(args: list[str], env: dict | None = None, timeout: int = 600,
         full_env = {**COMPILE_CACHE, **full_env}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def assert_same_step(many, one, what: str = "") -> None:
+    """tests/fsdp_probe.py's saved step on a mesh against one device's: the losses, gradients,
+    task scores and updated parameters. Float32 sums in another order differ by up to ~1e-5 of an
+    array's largest value (a gradient summed over the batch, where terms cancel), so each array's
+    tolerance is relative to that value; a sharding bug is off by far more (a lost sum: N x)."""
+    assert set(many.files) == set(one.files) and len(one.files) > 10, (many.files, one.files)
+    for name in one.files:
+        np.testing.assert_allclose(many[name], one[name], rtol=1e-5,
+                                   atol=3e-5 * np.abs(one[name]).max(), err_msg=f"{what}{name}")
 
 
 def run_each(commands: list[list[str]], env: dict | None = None, timeout: int = 600,

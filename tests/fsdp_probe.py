@@ -1,8 +1,9 @@
-"""Run by test_train.py in a subprocess with N simulated devices: one train step of a tiny model,
-saving the loss, the gradients and the updated parameters to an .npz, and asserting that every
-FSDP-sharded parameter is split N ways. A 4th argument "kernels": every fast path of fast_paths.py
-applies (Pallas in its interpreter, attention by jax's XLA version), as on a GPU; FIELD=VALUE
-arguments after it override the config (the variants)."""
+"""Run by test_train.py in a subprocess with N simulated devices: two train steps of a tiny model
+whose parameters are all random, saving the losses, the gradients and their norm, task scores and
+the updated parameters to an .npz (conftest.assert_same_step compares two), and asserting that
+every FSDP-sharded parameter is split N ways. A 4th argument "kernels": every fast path of
+fast_paths.py applies (Pallas in its interpreter, attention by jax's XLA version), as on a GPU;
+FIELD=VALUE arguments after it override the config (the variants)."""
 import sys
 
 import jax
@@ -19,7 +20,10 @@ from conftest import tiny  # noqa: E402
 from params import Policy, policy_table  # noqa: E402
 
 n, out = int(sys.argv[1]), sys.argv[2]
-cfg = tiny(d_model=64, n_head=4, batch_size=16, mesh_replica=int(sys.argv[3]) if len(sys.argv) > 3 else 1)
+# Adam's eps large: its update g / (|g| + eps) then moves smoothly with g, where a tiny eps makes
+# it a sign that float sums in another order may flip for an entry whose gradient is near 0
+cfg = tiny(d_model=64, n_head=4, batch_size=16, adam_eps=1e-3,
+           mesh_replica=int(sys.argv[3]) if len(sys.argv) > 3 else 1)
 cfg = configs.apply_overrides(cfg, [f"--config.{a}" for a in sys.argv[4:] if "=" in a])
 if "kernels" in sys.argv[4:]:
     import dataclasses
@@ -31,6 +35,17 @@ if "kernels" in sys.argv[4:]:
 assert jax.device_count() == n
 mesh = train.make_mesh(cfg)
 s = train.setup(cfg, mesh)
+# Every parameter moved by 0.1 N(0, 1), each on its own sharding: from init the readout is zero,
+# so the logits are zero whatever the blocks compute and every block's gradient is 0 on any mesh.
+# (0.3 made SharedKV + ALiBi's gradients so ill-conditioned that float32 sums in another order
+# differed by 1e-4.)
+arrays, static = eqx.partition(s.model, eqx.is_array)
+leaves, tree = jax.tree.flatten(arrays)
+keys = jax.random.split(jax.random.key(1), len(leaves))
+noise = [0.1 * np.asarray(jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)]
+leaves = [jax.device_put((np.asarray(x) + z).astype(x.dtype), x.sharding)
+          for x, z in zip(leaves, noise)]
+s = s._replace(model=eqx.combine(jax.tree.unflatten(tree, leaves), static))
 if sys.argv[4:] == ["kernels"]:
     assert s.model.blocks.attn.fast_qk_norm_rope is fast_paths.fused_qk_norm_rope
     assert s.model.blocks.mlp.fast_gelu is fast_paths.recomputing_gelu
@@ -81,7 +96,12 @@ for param, policy in zip(jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), tab
             assert shard[dim] * fsdp == param.shape[dim], (param.shape, shard)
     if param.size >= 1024:  # every large parameter is split over fsdp
         assert np.prod(shard) * fsdp == param.size, (param.shape, shard)
-model, _, metrics = s.step(s.model, s.opt_state, *batch)
-arrays = {f"grad{i}": np.asarray(g) for i, g in enumerate(jax.tree.leaves(grads))}
+grads = jax.tree.leaves(grads)
+assert all(np.any(np.asarray(g) != 0) for g in grads)  # else the comparison is of zeros
+# two steps: the second's update reads Adam's moments, which carry the first gradient's scale
+model, opt_state, first = s.step(s.model, s.opt_state, *batch)
+model, _, second = s.step(model, opt_state, *batch)
+arrays = {f"grad{i}": np.asarray(g) for i, g in enumerate(grads)}
 arrays |= {f"param{i}": np.asarray(p) for i, p in enumerate(jax.tree.leaves(eqx.filter(model, eqx.is_array)))}
-np.savez(out, loss=np.asarray(metrics["loss"]), task_loglikelihoods=lls, **arrays)
+np.savez(out, loss=np.asarray(first["loss"]), grad_norm=np.asarray(first["grad_norm"]),
+         loss2=np.asarray(second["loss"]), task_loglikelihoods=lls, **arrays)

@@ -15,7 +15,7 @@ import optimizers
 import params
 import test_checkpoint as ckpt  # its launch helpers (a module attribute: its tests stay its own)
 from configs import Config
-from conftest import ROOT, run_each, tiny
+from conftest import ROOT, assert_same_step, run_each, tiny
 from model import GPT
 from params import Policy
 from run.errors import UsageError
@@ -237,10 +237,7 @@ def test_muon_on_4_fsdp_devices_equals_one_device(tmp_path):
     for r in run_each([[str(ROOT / "tests/fsdp_probe.py"), str(n), str(out[n]), "1", "optimizer=muon"]
                        for n in (1, 4)]):
         assert r.returncode == 0, r.stderr
-    one, four = np.load(out[1]), np.load(out[4])
-    assert set(one.files) == set(four.files)
-    for name in one.files:
-        np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_same_step(np.load(out[4]), np.load(out[1]))
 
 
 def test_the_optimizer_comparison_claims_only_what_its_numbers_allow():

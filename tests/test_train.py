@@ -14,7 +14,7 @@ import optimizers
 import params
 from params import init_gpt
 import train
-from conftest import ROOT, run_each, tiny
+from conftest import ROOT, assert_same_step, run_each, tiny
 
 
 MESHES = [(8, 1, ""), (8, 2, ""), (8, 2, "kernels")]  # devices, replicas, every fused kernel
@@ -37,10 +37,7 @@ def test_fsdp_matches_one_device(fsdp_runs, devices, replica, kernels):
     """Loss, gradients and the updated parameters on 8 devices (all FSDP, or 2 replicas x 4, and
     with every fused kernel in its place) equal those on one device of model.py's functions; the
     probe asserts every large parameter really is split over the fsdp axis."""
-    one_device, many = fsdp_runs[1, 1, ""], fsdp_runs[devices, replica, kernels]
-    assert set(many.files) == set(one_device.files)
-    for name in one_device.files:
-        np.testing.assert_allclose(many[name], one_device[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    assert_same_step(fsdp_runs[devices, replica, kernels], fsdp_runs[1, 1, ""])
 
 
 def test_accumulation_equals_one_big_batch():

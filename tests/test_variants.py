@@ -15,7 +15,7 @@ import model as M
 from layers.positions import alibi_bias
 from inference import decode
 import params
-from conftest import ROOT, TINY_RUN, run, run_each, tiny
+from conftest import ROOT, TINY_RUN, assert_same_step, run, run_each, tiny
 from test_checkpoint import final_state, launch_args, records, tiny_config
 from test_model import numpy_forward, random_gpt
 
@@ -140,11 +140,7 @@ def fsdp_runs(tmp_path_factory):
 
 def test_variants_on_4_fsdp_devices_equal_one_device(fsdp_runs):
     for variants in {v for v, _ in fsdp_runs}:
-        one, four = fsdp_runs[variants, 1], fsdp_runs[variants, 4]
-        assert set(one.files) == set(four.files)
-        for name in one.files:
-            np.testing.assert_allclose(four[name], one[name], rtol=1e-5, atol=1e-6,
-                                       err_msg=f"{variants}: {name}")
+        assert_same_step(fsdp_runs[variants, 4], fsdp_runs[variants, 1], f"{variants}: ")
 
 
 def test_a_variant_run_resumes_exactly(shakespeare, tmp_path, env):

@@ -95,6 +95,17 @@ def _shakespeare_when_at_hand():
     prepare_shakespeare(download=False)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_jit_after_monkeypatch(request):
+    """JAX caches a function's trace by the function and its arguments' structure, not by what it
+    calls: after a test that edits model.py's functions (monkeypatch), the next test's jax.jit of
+    train.objective, say, would reuse the edited trace. Cleared after every such test."""
+    yield
+    if "monkeypatch" in request.fixturenames:
+        import jax
+        jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
     """data/shakespeare_char prepared, downloaded when its text is nowhere here."""

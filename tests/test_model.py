@@ -82,11 +82,15 @@ def numpy_forward(gpt: M.GPT, cfg, tokens: np.ndarray) -> np.ndarray:
 
 def random_gpt(cfg, seed=0, fast=None):
     """Every parameter random (the zero readout at init would hide bugs downstream of it)."""
-    gpt = params.init_gpt(cfg, jax.random.key(seed), fast)
+    return moved(params.init_gpt(cfg, jax.random.key(seed), fast), seed + 1)
+
+
+def moved(gpt, seed=1, scale=0.3):
+    """gpt with scale x N(0, 1) added to every array: train.setup's model made random."""
     arrays, static = eqx.partition(gpt, eqx.is_array)
     leaves, tree = jax.tree.flatten(arrays)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    leaves = [x + 0.3 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)]
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
     return eqx.combine(jax.tree.unflatten(tree, leaves), static)
 
 

@@ -15,7 +15,7 @@ import params
 from params import init_gpt
 import train
 from conftest import ROOT, assert_same_step, run_each, tiny
-from test_model import random_gpt
+from test_model import moved, random_gpt
 
 
 MESHES = [(8, 1, ""), (8, 2, ""), (8, 2, "kernels")]  # devices, replicas, every fused kernel
@@ -170,12 +170,14 @@ def test_an_edit_to_the_loss_reaches_the_gradient(monkeypatch):
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8, 16)).astype(np.int32)
     y = np.roll(x, -1, axis=-1)
     s = train.setup(cfg, train.make_mesh(cfg))
-    want_ce = train.objective(s.model, x[0], y[0], cfg)
-    _, _, before = s.step(s.model, s.opt_state, x, y)
+    model = moved(s.model)  # random: from init the zero readout makes the loss ln V for any model
+    want_ce = train.objective(model, x[0], y[0], cfg)
+    _, _, before = s.step(model, s.opt_state, x, y)
     grad_fn = z_loss(monkeypatch)
-    s = train.setup(cfg, train.make_mesh(cfg))  # the same parameters
-    want_objective, want_grads = grad_fn(s.model, x[0], y[0], cfg)
-    _, _, after = s.step(s.model, s.opt_state, x, y)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    model = moved(s.model)  # the same parameters (the step donated the first copy)
+    want_objective, want_grads = grad_fn(model, x[0], y[0], cfg)
+    _, _, after = s.step(model, s.opt_state, x, y)
     assert float(after["objective"]) == pytest.approx(float(want_objective), rel=1e-5)
     assert float(after["loss"]) == pytest.approx(float(want_ce), rel=1e-5) == float(before["loss"])
     assert float(after["objective"]) > float(after["loss"]) + 0.1

@@ -8,11 +8,6 @@ import argparse
 import json
 import sys
 
-import equinox as eqx
-import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-
-from inference.tasks import Tasks
 from run.errors import ArgumentParser, UsageError, out_of_memory
 
 
@@ -29,8 +24,12 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("limit", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             sys.exit(f"error: --{name}={getattr(args, name)}: pass a number of 1 or more")
+    import equinox as eqx  # after parsing: a misspelt flag should not wait for JAX to load
+    import jax
     from etils import epath
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+    from inference.tasks import Tasks
     from run import reading
 
     try:

@@ -98,18 +98,26 @@ def test_lr_schedule_warmup_then_cosine():
 
 
 def test_weight_decay_is_independent_of_lr_and_only_on_matrices():
-    """With zero gradients the update is the decay alone: p * (1 - wd * lr_t / lr) on decayed
-    parameters, whatever the learning rate; the gains do not move."""
+    """With zero gradients the update is the decay alone: p * (1 - wd * lr_t / lr) on every matrix
+    (the embedding, the readout, each block's four), whatever the learning rate, at the first
+    step of a 4-step warmup (lr_t / lr = 1 / 4); the gains (vectors) do not move."""
     for lr in (1e-3, 1.0):
-        cfg = tiny(norm_gain=True, weight_decay=0.01, learning_rate=lr, min_lr=lr, warmup_steps=0)
+        cfg = tiny(norm_gain=True, weight_decay=0.01, learning_rate=lr, min_lr=lr, warmup_steps=4)
         s = train.setup(cfg, train.make_mesh(cfg))
         arrays = eqx.filter(s.model, eqx.is_array)
         opt = train.make_optimizer(cfg, params.policy_table(s.model, cfg))
         zeros = jax.tree.map(np.zeros_like, arrays)
         updates, _ = opt.update(zeros, opt.init(arrays), arrays)
-        np.testing.assert_allclose(updates.blocks.mlp.up, -0.01 * arrays.blocks.mlp.up, rtol=1e-6)
-        assert float(np.abs(updates.blocks.attn_norm).max()) == 0.0
-        assert float(np.abs(updates.blocks.attn.q_norm).max()) == 0.0
+        named = jax.tree_util.tree_flatten_with_path(arrays)[0]
+        stacked = {id(x) for x in jax.tree.leaves(arrays.blocks)}  # one more axis: the layers
+        matrices = 0
+        for (path, p), u in zip(named, jax.tree.leaves(updates), strict=True):
+            if p.ndim - (id(p) in stacked) >= 2:
+                np.testing.assert_allclose(u, -0.01 / 4 * p, rtol=1e-6, err_msg=str(path))
+                matrices += 1
+            else:
+                assert float(np.abs(u).max()) == 0.0, path
+        assert matrices == 6
 
 
 def test_overfits_one_batch():

@@ -132,6 +132,8 @@ def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
     for an edited function is set aside with one line, and the model runs the edit."""
     fast_paths = every_kernel(monkeypatch)
     cfg = tiny()
+    tokens = jnp.arange(cfg.block_size) % cfg.vocab_size
+    unedited = random_gpt(cfg)(tokens)
     plain_rope, plain_attend = M.rope, M.attend
     monkeypatch.setattr(M, "rope", lambda x, cos, sin: plain_rope(x, cos, -sin))
     assert set(fast_paths.select(cfg)) == {"attend", "gelu", "cross_entropy"}
@@ -142,6 +144,11 @@ def test_an_edit_to_model_py_sets_its_kernel_aside(monkeypatch, capsys):
                         plain_attend(q, k, v, 2 * scale, mask, bias))
     assert set(fast_paths.select(cfg)) == {"gelu", "cross_entropy"}
     assert "cuDNN flash attention set aside, model.attend runs instead" in capsys.readouterr().err
+    # the model with the fast paths that remain runs both edits: model.py's functions' logits
+    edited = random_gpt(cfg, fast=fast_paths.select(cfg))(tokens)
+    np.testing.assert_allclose(edited, random_gpt(cfg)(tokens), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(edited - unedited)).max() > 0.1
+    capsys.readouterr()
     assert fast_paths.select(dataclasses.replace(cfg, kernels=False)) == {}  # no check, nothing printed
     assert capsys.readouterr().err == ""
 

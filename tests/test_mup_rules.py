@@ -92,12 +92,14 @@ def test_first_step_lr_and_adam_eps_follow_mup_and_completep():
         np.testing.assert_allclose(after[name] - before[name], expected, rtol=2e-3, atol=3e-7, err_msg=name)
 
 
-def test_weight_decay_is_independent_of_lr_and_width():
+@pytest.mark.parametrize("lr", [1e-3, 5e-2])
+def test_weight_decay_is_independent_of_lr_and_width(lr):
     """At m = 4, one step with decay minus the same step without: -weight_decay * p for every matrix (hidden,
     embedding, readout), whatever its LR multiplier and the LR; 0 for the gains (Wortsman et al. 2023)."""
     wd = 0.1
-    before, _, no_decay = one_step(mup_tiny(**M4D2, weight_decay=0.0))
-    _, _, decayed = one_step(mup_tiny(**M4D2, weight_decay=wd))
+    shape = {**M4D2, "learning_rate": lr, "min_lr": lr}
+    before, _, no_decay = one_step(mup_tiny(**shape, weight_decay=0.0))
+    _, _, decayed = one_step(mup_tiny(**shape, weight_decay=wd))
     for name, p in before.items():
         expected = -wd * p if name in HIDDEN | {"emb.embed", "emb.unembed"} else 0 * p
         np.testing.assert_allclose(decayed[name] - no_decay[name], expected, atol=1e-6, err_msg=name)

@@ -86,11 +86,13 @@ def random_gpt(cfg, seed=0, fast=None):
 
 
 def moved(gpt, seed=1, scale=0.3):
-    """gpt with scale x N(0, 1) added to every array: train.setup's model made random."""
+    """gpt with scale x N(0, 1) added to every array, each on its own sharding: train.setup's
+    model made random."""
     arrays, static = eqx.partition(gpt, eqx.is_array)
     leaves, tree = jax.tree.flatten(arrays)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    leaves = [jax.device_put(x + scale * jax.random.normal(k, x.shape, x.dtype), x.sharding)
+              for x, k in zip(leaves, keys)]
     return eqx.combine(jax.tree.unflatten(tree, leaves), static)
 
 

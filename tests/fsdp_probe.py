@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 import configs  # noqa: E402
 import train  # noqa: E402
 from conftest import tiny  # noqa: E402
+from test_model import moved  # noqa: E402
 from params import Policy, policy_table  # noqa: E402
 
 n, out = int(sys.argv[1]), sys.argv[2]
@@ -39,13 +40,7 @@ s = train.setup(cfg, mesh)
 # so the logits are zero whatever the blocks compute and every block's gradient is 0 on any mesh.
 # (0.3 made SharedKV + ALiBi's gradients so ill-conditioned that float32 sums in another order
 # differed by 1e-4.)
-arrays, static = eqx.partition(s.model, eqx.is_array)
-leaves, tree = jax.tree.flatten(arrays)
-keys = jax.random.split(jax.random.key(1), len(leaves))
-noise = [0.1 * np.asarray(jax.random.normal(k, x.shape)) for x, k in zip(leaves, keys)]
-leaves = [jax.device_put((np.asarray(x) + z).astype(x.dtype), x.sharding)
-          for x, z in zip(leaves, noise)]
-s = s._replace(model=eqx.combine(jax.tree.unflatten(tree, leaves), static))
+s = s._replace(model=moved(s.model, scale=0.1))
 if sys.argv[4:] == ["kernels"]:
     assert s.model.blocks.attn.fast_qk_norm_rope is fast_paths.fused_qk_norm_rope
     assert s.model.blocks.mlp.fast_gelu is fast_paths.recomputing_gelu

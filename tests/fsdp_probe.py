@@ -39,7 +39,7 @@ s = train.setup(cfg, mesh)
 # Every parameter moved by 0.1 N(0, 1), each on its own sharding: from init the readout is zero,
 # so the logits are zero whatever the blocks compute and every block's gradient is 0 on any mesh.
 # (0.3 made SharedKV + ALiBi's gradients so ill-conditioned that float32 sums in another order
-# differed by 1e-4.)
+# differed by 1e-4, past conftest.assert_same_step's tolerance.)
 s = s._replace(model=moved(s.model, scale=0.1))
 if sys.argv[4:] == ["kernels"]:
     assert s.model.blocks.attn.fast_qk_norm_rope is fast_paths.fused_qk_norm_rope

@@ -153,12 +153,14 @@ def load_split(cfg: Config, split: str) -> np.ndarray:
         raise UsageError(f"dataset {cfg.dataset} has token ids up to {meta['vocab_size'] - 1}, "
                          f"beyond the model's vocab_size={cfg.vocab_size}; "
                          f"set --config.vocab_size={meta['vocab_size']}")
-    # Checked before the memmap, which refuses an empty file.
-    if n_tokens < cfg.block_size + 2:
+    # Checked before the memmap, which refuses an empty file. A sequence reads block_size + 1
+    # tokens (its inputs and, one further, its targets).
+    if n_tokens < cfg.block_size + 1:
         fix = split == "val" and cfg.dataset != "shakespeare_char"
         more = ", or prepare it again with a larger --val_fraction" if fix else ""
-        raise UsageError(f"block_size={cfg.block_size} is longer than the {split} split of "
-                         f"{cfg.dataset} ({n_tokens} tokens); lower --config.block_size{more}")
+        raise UsageError(f"block_size={cfg.block_size} (+1 for the targets) is longer than the "
+                         f"{split} split of {cfg.dataset} ({n_tokens} tokens); lower "
+                         f"--config.block_size{more}")
     tokens = np.memmap(path, dtype=dtype, mode="r")
     # Small splits are checked whole; openwebtext's is too big to read through at every start.
     if tokens.size <= 2**28 and int(tokens.max()) >= meta["vocab_size"]:
@@ -173,7 +175,8 @@ def get_batch(tokens: np.ndarray, seed: int, stream: int, step: int, n_seqs: int
     stream, step) alone: a resumed run reads exactly the batches it would have read. `rows` picks
     this process's share of the sequences (global_batch) without reading the others."""
     rng = np.random.default_rng([seed, stream, step])
-    starts = rng.integers(0, tokens.size - block - 1, size=n_seqs)[rows]
+    # every offset whose block + 1 tokens fit, the last one too: a split's last token is a target
+    starts = rng.integers(0, tokens.size - block, size=n_seqs)[rows]
     buf = np.stack([tokens[s:s + block + 1] for s in starts]).astype(np.int32)
     return buf[:, :-1], buf[:, 1:]
 

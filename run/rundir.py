@@ -20,9 +20,10 @@ from configs import Config
 from run.errors import UsageError
 
 # the files that define what a run computes: its forward (what sample.py, eval.py and export.py
-# run on a checkpoint), then its training; run.json records a hash of each at every launch
+# run on a checkpoint), then its training and the batches it reads; run.json records a hash of
+# each at every launch
 FORWARD = ("model.py", "layers/positions.py", "layers/mudd.py", "configs/__init__.py")
-TRAINING = (*FORWARD, "params.py", "train.py", "optimizers.py")
+TRAINING = (*FORWARD, "params.py", "train.py", "optimizers.py", "data.py")
 
 
 def top() -> Path:

@@ -44,13 +44,25 @@ def test_batch_is_a_function_of_seed_and_step(shakespeare):
     np.testing.assert_array_equal(rows[0], a[0][4:])
 
 
+def test_every_token_of_a_split_is_read_the_last_one_as_a_target():
+    """Offsets are drawn from every place a sequence's T + 1 tokens fit (nanoGPT's get_batch):
+    tokens 0..N-1, each token its offset, so the draws show which offsets can occur."""
+    N, T = 12, 4
+    x, y = data.get_batch(np.arange(N, dtype=np.uint16), 0, data.TRAIN, 0, 2000, T)
+    assert set(x[:, 0].tolist()) == set(range(N - T))  # the last start, N - T - 1, among them
+    assert x.min() == 0 and y.max() == N - 1
+    x, y = data.get_batch(np.arange(T + 1, dtype=np.uint16), 0, data.TRAIN, 0, 3, T)
+    np.testing.assert_array_equal(x, np.tile(np.arange(T), (3, 1)))  # a split of T + 1: itself
+    np.testing.assert_array_equal(y, x + 1)
+
+
 def documented_batch(seed: int, stream: int, step: int, G: int, B: int, T: int, N: int):
     """get_batch's docstring written out for tokens 0, 1, ..., N-1 (a token is its offset): step's
-    G * B sequences start at offsets drawn uniformly from [0, N - T - 1) by numpy's PCG64 seeded
+    G * B sequences start at offsets drawn uniformly from [0, N - T) by numpy's PCG64 seeded
     with the SeedSequence of (seed, stream, step), microbatch g's row b the (g B + b)-th draw;
     the targets are the next tokens. (G, B, T) each."""
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, stream, step])))
-    starts = rng.integers(0, N - T - 1, size=G * B).reshape(G, B)
+    starts = rng.integers(0, N - T, size=G * B).reshape(G, B)
     x = starts[..., None] + np.arange(T)
     return x, x + 1
 
@@ -284,8 +296,13 @@ def test_ids_beyond_the_vocabulary_are_reported(small_dataset):
 
 def test_block_longer_than_data_and_missing_data_are_reported(small_dataset):
     cfg, path = small_dataset
-    with pytest.raises(UsageError, match="block_size=64 is longer than the val split.*a larger --val_fraction"):
+    with pytest.raises(UsageError, match=r"block_size=64 \(\+1 for the targets\) is longer than "
+                       "the val split.*a larger --val_fraction"):
         data.load_split(dataclasses.replace(cfg, block_size=64), "val")
+    # a sequence reads block_size + 1 tokens: the 40-token split holds one of 39, none of 40
+    assert data.load_split(dataclasses.replace(cfg, block_size=39), "val").size == 40
+    with pytest.raises(UsageError, match=r"block_size=40 \(\+1 for the targets\) is longer"):
+        data.load_split(dataclasses.replace(cfg, block_size=40), "val")
     with pytest.raises(UsageError, match="python data.py nothing"):
         data.load_split(dataclasses.replace(cfg, dataset="nothing"), "train")
 

@@ -147,7 +147,7 @@ BAD_INPUTS = [
     (["--config.d_model=12", "--config.n_head=4"], "head_dim=3 (d_model/n_head) is odd"),
     (["--config.batch_size=10", "--config.grad_accum=4"],
      "batch_size=10 is not divisible by devices x grad_accum"),
-    (["--config.block_size=200000"], "block_size=200000 is longer than the val split"),
+    (["--config.block_size=200000"], "block_size=200000 (+1 for the targets) is longer"),
     (["--config.dataset=nodata"], "prepare it with `python data.py nodata`"),
     (["--config.loss_chunks=5"], "loss_chunks=5 does not divide the 12 sequences of a microbatch"),
     (["--config.vocab_size=50"], "beyond the model's vocab_size=50; set --config.vocab_size=65"),

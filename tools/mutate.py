@@ -93,6 +93,10 @@ MUTATIONS = {
         "data.py", [("default_rng([seed, stream, step])", "default_rng([seed, stream, step + 1])")],
         ["tests/test_data.py::test_the_batch_of_each_step_is_the_documented_one",
          "tests/test_data.py::test_two_processes_read_the_documented_batches"]),
+    "a split's last token never a target (offsets stop one short)": (
+        "data.py", [("rng.integers(0, tokens.size - block, size",
+                     "rng.integers(0, tokens.size - block - 1, size")],
+        ["tests/test_data.py::test_every_token_of_a_split_is_read_the_last_one_as_a_target"]),
     "acc_norm divided by the continuation's tokens": (
         "inference/tasks.py", [(ASK_LOGLIK, N_TOKENS + ASK_LOGLIK),
                                ('chars = np.array([len(c) for c in ex["choices"]], np.float64)',

@@ -294,8 +294,9 @@ def test_short_run_writes_metrics_and_tensorboard(shakespeare, tmp_path):
 
 def test_a_run_resumed_or_read_with_other_code_says_which_files_changed(shakespeare, tmp_path):
     """run.json records a hash of each file that defines the run's math at every launch. A resume
-    after model.py or train.py changed says which, and so do sample.py, eval.py and export.py of
-    the files of the forward (train.py is not): the same shapes may hold other math."""
+    after model.py, train.py or data.py (the batches) changed says which, and so do sample.py,
+    eval.py and export.py of the files of the forward (train.py and data.py are not): the same
+    shapes may hold other math."""
     from conftest import TINY_RUN
     from run.rundir import TRAINING
     rundir = tmp_path / "run"
@@ -304,7 +305,8 @@ def test_a_run_resumed_or_read_with_other_code_says_which_files_changed(shakespe
     record = json.loads((rundir / "run.json").read_text())
     assert "model.py" in TRAINING and record["code"] == {
         f: hashlib.sha256((ROOT / f).read_bytes()).hexdigest()[:12] for f in TRAINING}
-    record["code"] |= {"model.py": "0" * 12, "train.py": "0" * 12}  # as if trained before an edit
+    assert "data.py" in TRAINING  # as if trained before an edit of each:
+    record["code"] |= {"model.py": "0" * 12, "train.py": "0" * 12, "data.py": "0" * 12}
     (rundir / "run.json").write_text(json.dumps(record))
     commit = str(record["git"]["commit"])[:7] if record["git"]["commit"] else "unknown"
     r = run(["sample.py", f"--rundir={rundir}", "--max_new_tokens=2"])
@@ -312,9 +314,9 @@ def test_a_run_resumed_or_read_with_other_code_says_which_files_changed(shakespe
                                   f"{commit}): its checkpoint runs in the model as it is now"
                                   ) in r.stderr.splitlines(), r.stderr
     r = run(["launch.py", f"--rundir={rundir}", "--config.max_steps=2"])
-    assert r.returncode == 0 and (f"note: model.py, train.py changed since this run's last launch "
-                                  f"(at commit {commit}): the run goes on with the code as it is "
-                                  f"now") in r.stdout.splitlines(), r.stdout
+    assert r.returncode == 0 and (f"note: model.py, train.py, data.py changed since this run's last "
+                                  f"launch (at commit {commit}): the run goes on with the code as "
+                                  f"it is now") in r.stdout.splitlines(), r.stdout
     r = run(["sample.py", f"--rundir={rundir}", "--max_new_tokens=2"])  # the resume's own record
     assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
 

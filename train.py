@@ -204,9 +204,9 @@ def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
     """The initial model and optimizer state, sharded over the mesh, and the train step."""
     fast = fast_paths.select(cfg, mesh, lambda gpt, x, y: loss_fn(gpt, x, y, cfg))  # as edited
     table = policy_table(eqx.filter_eval_shape(GPT, cfg, fast), cfg, mesh.shape)  # init, specs, opt
-    model = init_gpt(cfg, jax.random.key(cfg.seed), fast, table)
     model_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(table))
-    model = eqx.filter_shard(model, model_sharding)
+    # drawn onto its shardings: no device holds the whole model (params.init_gpt)
+    model = init_gpt(cfg, jax.random.key(cfg.seed), fast, table, model_sharding)
     optimizer = make_optimizer(cfg, table)
     opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
     replicated = lambda _: NamedSharding(mesh, P())

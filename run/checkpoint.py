@@ -244,13 +244,16 @@ def agree(step: int) -> None:
 def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = None) -> GPT:
     """The model alone of the checkpoint of `step` (default: the latest), onto the shardings of
     `model`: for sampling, which needs no optimizer state (twice the model's memory under Adam) and
-    so no setup(). Its buffers are freed first, as restore_checkpoint frees the state's."""
-    params, static = eqx.partition(model, eqx.is_array)
+    so no setup(). `model`'s arrays may be shapes alone (jax.ShapeDtypeStruct, on the default
+    device unless they name a sharding); its buffers are freed first, as restore_checkpoint frees
+    the state's."""
+    is_leaf = lambda x: isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+    params, static = eqx.partition(model, is_leaf)
     target = abstract({"model": params})
     step = mngr.latest_step() if step is None else step
     with damage_as_one_line(mngr, step):
         check_fits(mngr, step, target)
-        jax.tree.map(lambda x: x.delete(), params)
+        jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, params)
         # partial_restore: the saved arrays that target lacks (opt_state) are not read. Not through
         # mngr: a manager that has saved holds the state's handler, which restores whole trees.
         restore = ocp.args.PyTreeRestore(
@@ -267,9 +270,12 @@ def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = No
 
 
 def abstract(tree):
-    """Each array as its shape, dtype and sharding: what orbax restores into."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                                       weak_type=x.weak_type), tree)
+    """Each array as its shape, dtype and sharding (the default device's where it names none):
+    what orbax restores into."""
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=one if x.sharding is None else x.sharding,
+        weak_type=x.weak_type), tree)
 
 
 def check_fits(mngr: ocp.CheckpointManager, step: int, target: dict) -> None:

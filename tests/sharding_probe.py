@@ -1,7 +1,8 @@
 """Run by test_sharding.py in a subprocess with 4 simulated devices (a 1 x 4 mesh, all FSDP):
 prints one JSON line: each parameter's sharding spec as placed by train.setup, and every collective of the compiled train step (kind,
 array shapes, gathered dimension, and how many times a step runs it: the trip counts of the while
-loops around it). ARGS: FIELD=VALUE config overrides."""
+loops around it); the initial model's values and the memory a device takes to draw
+it. ARGS: FIELD=VALUE config overrides."""
 import inspect
 import json
 import math
@@ -78,5 +79,24 @@ def collectives(hlo: str) -> list[dict]:
     return found
 
 
+def initial_model() -> dict:
+    """train.setup's initial model against params.init_gpt's on one device (equal: bitwise), and
+    the bytes a device holds while train.setup's call of init_gpt draws it (the compiled draw's
+    output and temporaries) against the whole model's."""
+    calls, init_gpt = [], train.init_gpt
+    train.init_gpt = lambda *args: calls.append(args) or init_gpt(*args)  # what setup asks for
+    s = train.setup(cfg, mesh)
+    one = params.init_gpt(cfg, jax.random.key(cfg.seed))
+    pairs = zip(jax.tree.leaves(eqx.filter(s.model, eqx.is_array)),
+                jax.tree.leaves(eqx.filter(one, eqx.is_array)), strict=True)
+    _, key, *rest = calls[-1]
+    draw = jax.jit(lambda key: eqx.filter(init_gpt(cfg, key, *rest), eqx.is_array))
+    memory = draw.lower(key).compile().memory_analysis()
+    return {"equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs),
+            "device_bytes": memory.output_size_in_bytes + memory.temp_size_in_bytes,
+            "model_bytes": sum(x.nbytes for x in jax.tree.leaves(eqx.filter(one, eqx.is_array)))}
+
+
 specs, shapes, hlo = compiled_step()
-print(json.dumps({"specs": specs, "shapes": shapes, "collectives": collectives(hlo)}, default=int))
+print(json.dumps({"specs": specs, "shapes": shapes, "collectives": collectives(hlo),
+                  "init": initial_model()}, default=int))

@@ -472,6 +472,12 @@ def test_restore_model_reads_the_model_alone(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert jax.tree.structure(got) == jax.tree.structure(full)  # tied weights still tied
+    # onto shapes alone (run.reading's read: nothing drawn): the same arrays, on the default device
+    got = restore_model(mngr, eqx.filter_eval_shape(init_gpt, cfg, jax.random.key(1)), step=1)
+    assert [(a.shape, a.dtype, a.weak_type, a.sharding) for a in arrays(got)] == layout
+    for a, b in zip(arrays(got), saved, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert jax.tree.structure(got) == jax.tree.structure(full)
 
     with pytest.raises(UsageError) as e:
         restore_model(mngr, init_gpt(tiny(tie_embeddings=True), jax.random.key(1)))
@@ -619,6 +625,30 @@ def test_a_checkpoint_saved_before_checksums_restores_with_a_note(tmp_path, caps
     assert "has no checksums (saved by an older mugpt)" in capsys.readouterr().err
     alone = restore_model(mngr, init_gpt(cfg, jax.random.key(2)), step=1)  # sample.py's read
     for a, b in zip(jax.tree.leaves(eqx.filter(alone, eqx.is_array)),
+                    jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_reading_a_checkpoint_draws_no_random_model(tmp_path, monkeypatch):
+    """sample.py, eval.py and export.py read a checkpoint (run.reading.restore_model) into the
+    model's shapes alone: a random model drawn first as placeholders took several times the
+    model's memory (openwebtext_xl's: 26 GB, beyond a 24 GB machine, before the checkpoint was
+    read). init_gpt may be traced (for its shapes) but not run."""
+    from run import reading
+
+    cfg = tiny()
+    s = train.setup(cfg, train.make_mesh(cfg))
+    mngr = checkpoint_manager(epath.Path(tmp_path), cfg)
+    save_checkpoint(mngr, 1, s.model, s.opt_state, {})
+    mngr.wait_until_finished()
+    def traced_only(cfg, key, *args):
+        assert isinstance(key, jax.core.Tracer), "a random model drawn to read a checkpoint into"
+        return init_gpt(cfg, key, *args)
+
+    monkeypatch.setattr(reading, "init_gpt", traced_only)
+    model, step = reading.restore_model(epath.Path(tmp_path), cfg, None)
+    assert step == 1
+    for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

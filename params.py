@@ -21,8 +21,9 @@ def init_gpt(cfg: Config, key: Array, fast: dict[str, Callable] | None = None,
     and whose forward multipliers (muP's and CompleteP's) are static fields set from the config.
     table: policy_table's, when the caller has built it already. shardings: the parameters'
     (train.setup's), drawn straight onto them, each device computing its share only: drawn on one
-    device first, the model and its temporaries (about 3x it) were all on that device, which FSDP
-    is there to avoid. JAX's threefry is partitionable: the values are those of one device."""
+    device first, the whole model and its temporaries (several times it) were on that device,
+    which FSDP is there to avoid (BENCHMARKS.md). JAX's threefry is partitionable: the values
+    are those drawn on one device."""
     skeleton = eqx.filter_eval_shape(GPT, cfg, fast)  # shapes only: eager zeros would each compile
     params, static = eqx.partition(skeleton, is_param)
     leaves, treedef = jax.tree.flatten(params)
@@ -39,7 +40,7 @@ def draw(key: Array, specs: tuple) -> list[Array]:
     """mean + std * N(0, 1) for each (shape, mean, std), each array from its own key, in one
     jitted function (not one compilation per shape). Each drawn alone in its shape, so that a
     sharded draw computes only each device's share: one normal cut into the arrays was computed
-    whole on every device (openwebtext_xl: 24 GiB of temporaries a device, 1.5 now on 8)."""
+    whole on every device."""
     keys = jax.random.split(key, len(specs))
     return [mean + std * jax.random.normal(k, shape) for k, (shape, mean, std) in zip(keys, specs)]
 

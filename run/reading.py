@@ -73,8 +73,8 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
         record = {}
     if changes := code_changes(record, FORWARD):  # the same shapes, perhaps other math
         print(f"note: {changes}: its checkpoint runs in the model as it is now", file=sys.stderr)
-    # shapes alone, nothing drawn: drawing a random model first needed several times its memory
-    # (a 1.5B model: 26 GB of a laptop's RAM before a byte of the checkpoint was read)
+    # shapes alone, nothing drawn: a random model drawn first took several times the model's
+    # memory before a byte of the checkpoint was read (more than a laptop has at GPT-2 XL's size)
     placeholders = eqx.filter_eval_shape(init_gpt, cfg, jax.random.key(0))
     try:
         return checkpoint.restore_model(mngr, placeholders, step), step

@@ -632,8 +632,8 @@ def test_a_checkpoint_saved_before_checksums_restores_with_a_note(tmp_path, caps
 def test_reading_a_checkpoint_draws_no_random_model(tmp_path, monkeypatch):
     """sample.py, eval.py and export.py read a checkpoint (run.reading.restore_model) into the
     model's shapes alone: a random model drawn first as placeholders took several times the
-    model's memory (openwebtext_xl's: 26 GB, beyond a 24 GB machine, before the checkpoint was
-    read). init_gpt may be traced (for its shapes) but not run."""
+    model's memory before the checkpoint was read (BENCHMARKS.md). init_gpt may be traced (for
+    its shapes) but not run."""
     from run import reading
 
     cfg = tiny()

@@ -65,8 +65,8 @@ def compiled() -> dict:
 def test_the_initial_model_is_drawn_onto_its_shardings(compiled):
     """train.setup draws each parameter on its own sharding, each device computing its share: a
     device holds less than the whole model while the model is drawn (drawn on one device, then
-    sharded, it held 2.9x the model here; openwebtext_xl: 30 GiB, beyond a 16 GiB TPU v5e chip).
-    The values are those drawn on one device: FSDP's run starts from the same model."""
+    sharded, it held several times the model: BENCHMARKS.md). The values are those drawn on one
+    device: FSDP's run starts from the same model."""
     init = compiled["init"]
     assert init["equal"]
     assert init["device_bytes"] < init["model_bytes"], init

@@ -314,9 +314,9 @@ def test_a_run_resumed_or_read_with_other_code_says_which_files_changed(shakespe
                                   f"{commit}): its checkpoint runs in the model as it is now"
                                   ) in r.stderr.splitlines(), r.stderr
     r = run(["launch.py", f"--rundir={rundir}", "--config.max_steps=2"])
-    assert r.returncode == 0 and (f"note: model.py, train.py, data.py changed since this run's last "
-                                  f"launch (at commit {commit}): the run goes on with the code as "
-                                  f"it is now") in r.stdout.splitlines(), r.stdout
+    assert r.returncode == 0 and (f"note: model.py, train.py, data.py changed since this run's "
+                                  f"last launch (at commit {commit}): the run goes on with the "
+                                  f"code as it is now") in r.stdout.splitlines(), r.stdout
     r = run(["sample.py", f"--rundir={rundir}", "--max_new_tokens=2"])  # the resume's own record
     assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
 

@@ -125,7 +125,7 @@ def measure(rundir: Path, args: list[str]) -> dict:
     logging.getLogger("absl").setLevel(logging.ERROR)  # orbax's notes on a read-only manager
     cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), args)
     mesh = train.make_mesh(cfg, jax.devices()[:1])
-    skeleton = params.init_gpt(cfg, jax.random.key(0))
+    skeleton = eqx.filter_eval_shape(params.init_gpt, cfg, jax.random.key(0))  # shapes alone
     mngr = checkpoint.checkpoint_manager(epath.Path(rundir), cfg, read_only=True)
     gpt = checkpoint.restore_model(mngr, skeleton)
     tokens = {s: data.load_split(cfg, s) for s in ("train", "val")}

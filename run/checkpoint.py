@@ -247,8 +247,8 @@ def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = No
     so no setup(). `model`'s arrays may be shapes alone (jax.ShapeDtypeStruct, on the default
     device unless they name a sharding); its buffers are freed first, as restore_checkpoint frees
     the state's."""
-    is_leaf = lambda x: isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-    params, static = eqx.partition(model, is_leaf)
+    array_or_shape = lambda x: isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+    params, static = eqx.partition(model, array_or_shape)
     target = abstract({"model": params})
     step = mngr.latest_step() if step is None else step
     with damage_as_one_line(mngr, step):

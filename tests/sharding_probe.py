@@ -27,8 +27,12 @@ cfg = configs.apply_overrides(cfg, [f"--config.{a}" for a in sys.argv[1:] if "="
 mesh = train.make_mesh(cfg)
 
 
-def compiled_step() -> tuple[dict, dict, str]:
-    """The placed parameters' specs and shapes, and the train step's optimized HLO."""
+CALLS, INIT_GPT = [], train.init_gpt
+train.init_gpt = lambda *args: CALLS.append(args) or INIT_GPT(*args)  # what setup asks for
+
+
+def compiled_step() -> tuple[dict, dict, str, object]:
+    """The placed parameters' specs and shapes, the train step's optimized HLO, the model."""
     s = train.setup(cfg, mesh)
     arrays = eqx.filter(s.model, eqx.is_array)
     leaves = jax.tree_util.tree_flatten_with_path(arrays)[0]
@@ -39,7 +43,8 @@ def compiled_step() -> tuple[dict, dict, str]:
     batch = jax.device_put((x, x), NamedSharding(mesh, train.BATCH_SPEC))
     jitted = inspect.getclosurevars(s.step).nonlocals["jitted"]  # the jax.jit inside the step
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # as the step traces it
-        return specs, shapes, jitted.lower(arrays, s.opt_state, *batch, 0).compile().as_text()
+        return (specs, shapes, jitted.lower(arrays, s.opt_state, *batch, 0).compile().as_text(),
+                s.model)
 
 
 def collectives(hlo: str) -> list[dict]:
@@ -79,24 +84,21 @@ def collectives(hlo: str) -> list[dict]:
     return found
 
 
-def initial_model() -> dict:
+def initial_model(model) -> dict:
     """train.setup's initial model against params.init_gpt's on one device (equal: bitwise), and
     the bytes a device holds while train.setup's call of init_gpt draws it (the compiled draw's
     output and temporaries) against the whole model's."""
-    calls, init_gpt = [], train.init_gpt
-    train.init_gpt = lambda *args: calls.append(args) or init_gpt(*args)  # what setup asks for
-    s = train.setup(cfg, mesh)
-    one = params.init_gpt(cfg, jax.random.key(cfg.seed))
-    pairs = zip(jax.tree.leaves(eqx.filter(s.model, eqx.is_array)),
+    one = INIT_GPT(cfg, jax.random.key(cfg.seed))
+    pairs = zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),
                 jax.tree.leaves(eqx.filter(one, eqx.is_array)), strict=True)
-    _, key, *rest = calls[-1]
-    draw = jax.jit(lambda key: eqx.filter(init_gpt(cfg, key, *rest), eqx.is_array))
+    _, key, *rest = CALLS[-1]
+    draw = jax.jit(lambda key: eqx.filter(INIT_GPT(cfg, key, *rest), eqx.is_array))
     memory = draw.lower(key).compile().memory_analysis()
     return {"equal": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs),
             "device_bytes": memory.output_size_in_bytes + memory.temp_size_in_bytes,
             "model_bytes": sum(x.nbytes for x in jax.tree.leaves(eqx.filter(one, eqx.is_array)))}
 
 
-specs, shapes, hlo = compiled_step()
+specs, shapes, hlo, model = compiled_step()
 print(json.dumps({"specs": specs, "shapes": shapes, "collectives": collectives(hlo),
-                  "init": initial_model()}, default=int))
+                  "init": initial_model(model)}, default=int))

@@ -81,25 +81,26 @@ def test_the_same_seed_trains_the_same_run_and_the_step_moves_the_masks():
     gives uniform logits whatever is dropped) and other parameters. The step number reaches the
     step through the dropout keys alone: without dropout the two runs are bitwise the same, so
     every difference is the masks' (the program and its inputs are otherwise the same)."""
-    def run_from(cfg, first):
-        s = train.setup(cfg, train.make_mesh(cfg))
-        state = (s.model, s.opt_state)  # a fresh state each run: the step donates its inputs
+    def run_from(s, first):
+        state = jax.tree.map(jnp.copy, (s.model, s.opt_state))  # the step donates its inputs
         losses = []
         for i in range(3):
             *state, metrics = s.step(*state, *batch(cfg, i), first + i)
             losses.append(float(metrics["loss"]))
         return losses, jax.tree.leaves(eqx.filter(state[0], eqx.is_array))
 
-    cfg = tiny(dropout=0.2)
-    a, b, later = run_from(cfg, 0), run_from(cfg, 0), run_from(cfg, 10)
+    cfg, plain = tiny(dropout=0.2), tiny()
+    s = train.setup(cfg, train.make_mesh(cfg))
+    a, b, later = run_from(s, 0), run_from(s, 0), run_from(s, 10)
     assert a[0] == b[0]
     for x, y in zip(a[1], b[1], strict=True):
         np.testing.assert_array_equal(x, y)
     assert a[0][0] == later[0][0] and all(x != y for x, y in zip(a[0][1:], later[0][1:]))
     assert any((x != y).any() for x, y in zip(a[1], later[1], strict=True))
-    plain, plain_later = run_from(tiny(), 0), run_from(tiny(), 10)  # dropout 0: the control
-    assert plain[0] == plain_later[0]
-    for x, y in zip(plain[1], plain_later[1], strict=True):
+    s = train.setup(plain, train.make_mesh(plain))  # dropout 0: the control
+    first, again = run_from(s, 0), run_from(s, 10)
+    assert first[0] == again[0]
+    for x, y in zip(first[1], again[1], strict=True):
         np.testing.assert_array_equal(x, y)
 
 

@@ -94,8 +94,8 @@ def time_torch(step, steps: int) -> float:
 
 
 def kernels_in(gpt) -> dict[str, str]:
-    """{model.py function: the fast path (kernels/fast_paths.py) that select chose for it here}."""
-    from kernels import fast_paths
+    """{model.py function: the fast path (fused/fast_paths.py) that select chose for it here}."""
+    from fused import fast_paths
 
     attn, mlp = gpt.blocks.attn, gpt.blocks.mlp
     fast = {"attend": attn.fast_attend, "qk_norm_rope": attn.fast_qk_norm_rope,

@@ -47,7 +47,7 @@ rows() {  # N ARGS...: bench.py ARGS with the Pallas QK-norm + RoPE kernel's blo
 import contextlib, io, json, sys
 
 import bench
-from kernels import pallas_qk_norm_rope
+from fused import pallas_qk_norm_rope
 
 rows, sys.argv = int(sys.argv[1]), ["bench.py", *sys.argv[2:]]
 pallas_qk_norm_rope.ROWS = rows  # checked against model.py at startup, as the default is
@@ -62,7 +62,7 @@ without() {  # NAME ARGS...: bench.py ARGS with the fast path of model.NAME set 
 import contextlib, io, json, sys
 
 import bench
-from kernels import fast_paths
+from fused import fast_paths
 
 name, sys.argv = sys.argv[1], ["bench.py", *sys.argv[2:]]
 fast_paths.FAST_PATHS = [p for p in fast_paths.FAST_PATHS if p.name != name]
@@ -91,7 +91,7 @@ part time && bench "${TT[@]}"
 FAST=(--config=openwebtext --config.batch_size=64 --config.grad_accum=2 --steps=10)
 if part fast; then
   bench "${FAST[@]}"
-  for name in $(python -c "from kernels import fast_paths as f
+  for name in $(python -c "from fused import fast_paths as f
 print(*sorted({p.name for p in f.FAST_PATHS}))" 2>> "$OUT/stderr.log"); do
     without "$name" "${FAST[@]}"
   done
@@ -114,7 +114,7 @@ part trace && bench "${OWT[@]}" --trace="$OUT/trace"
 if part check; then
   timeout -k 10 "$(left)" python - > "$OUT/check.log" 2>&1 <<'PY'
 import dataclasses, configs, model
-from kernels import fast_paths
+from fused import fast_paths
 base = configs.load("openwebtext")
 for over in ({}, {"n_kv_head": 4}, {"attention": "sharedkv", "n_kv_head": 4}):
     print(over, sorted(fast_paths.select(dataclasses.replace(base, **over))), flush=True)

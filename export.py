@@ -31,7 +31,7 @@ import numpy as np
 from etils import epath
 
 from inference.decode import in_float32
-from kernels.agreement import tokens
+from fused.agreement import tokens
 from run import reading
 from text import tokenization
 from configs import Config

@@ -6,7 +6,7 @@ SharedKV), K head dim, K2 = K / 2 RoPE's rotated pairs, F mlp width, V vocab, L 
 see one sequence (T tokens); train.py adds the batch with jax.vmap. Where tokens sit (RoPE's tables,
 ALiBi's biases) and MUDD's connections between blocks are built from the config in layers/.
 
-The functions here are the definition of the math. kernels/ may hold a fused version of some
+The functions here are the definition of the math. fused/ may hold a faster version of some
 (attend, qk_norm_rope, gelu, cross_entropy); a run uses one only after checking it against the
 function here where the model calls it, so an edit to this file always runs (fast_paths.select).
 """
@@ -319,7 +319,7 @@ class GPT(eqx.Module):
     def loss(self, x_TD: Array, y_T: Int[Array, "T"]) -> Float[Array, "T"]:
         """Each position's cross-entropy of its next token y_T from the stream: train.py's loss.
         A second path to the readout (the fused one never makes the float32 logits): a change
-        to the logits goes in readout, which both read (kernels/agreement.check_one_readout)."""
+        to the logits goes in readout, which both read (fused/agreement.check_one_readout)."""
         cross_entropy_fn = self.fast_cross_entropy or cross_entropy
         return cross_entropy_fn(*self.readout_inputs(x_TD), self.readout_mult, y_T)
 

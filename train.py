@@ -19,7 +19,7 @@ from tqdm import tqdm
 import data
 from configs import Config
 from inference import decode, tasks
-from kernels import fast_paths
+from fused import fast_paths
 from model import GPT
 from optimizers import applied_lr, make_optimizer
 from params import flops_per_token, init_gpt, partition_specs, policy_table

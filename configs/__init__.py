@@ -49,7 +49,7 @@ class Config:
     # groups of sequences the readout and loss take one at a time (train.loss_fn): >1 keeps the
     # float32 (B, T, V) logits from existing whole, for one more readout matmul forward
     loss_chunks: int = 1
-    # fast paths on a GPU (cuDNN attention, kernels/'s QK-norm + RoPE and fused cross-entropy, a
+    # fast paths on a GPU (cuDNN attention, fused/'s QK-norm + RoPE and fused cross-entropy, a
     # recomputing GELU where the layers are unrolled) or a TPU (splash attention): each is checked against model.py's own function when a run
     # starts and set aside, with a printed line, if they differ.
     # false: model.py's functions alone, everywhere

@@ -6,7 +6,7 @@ deeper configs (openwebtext_xl) reuse.
 For speed on a GPU (BENCHMARKS.md) the 12 layers are unrolled: no loop, so no zero-filled
 stacked buffers of saved activations, copied in and out, as XLA:GPU's scan keeps; and only the
 matmul outputs are saved (the elementwise ops are recomputed: saved, they were float32).
-Unrolled, model.gelu may run as kernels/fast_paths.py's recomputing GELU on a GPU."""
+Unrolled, model.gelu may run as fused/fast_paths.py's recomputing GELU on a GPU."""
 from configs import Config
 
 config = Config(grad_accum=8, param="mup", remat="save_dots", scan_unroll=12)

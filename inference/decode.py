@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import Config
-from kernels.agreement import TOLERANCE, row_error, tokens
+from fused.agreement import TOLERANCE, row_error, tokens
 from model import GPT, KVCache
 from run.errors import UsageError
 

@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import Config
-from kernels import fast_paths
+from fused import fast_paths
 from run.errors import UsageError
 from text import corpus
 

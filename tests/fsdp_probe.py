@@ -28,8 +28,8 @@ cfg = tiny(d_model=64, n_head=4, batch_size=16, adam_eps=1e-3,
 cfg = configs.apply_overrides(cfg, [f"--config.{a}" for a in sys.argv[4:] if "=" in a])
 if "kernels" in sys.argv[4:]:
     import dataclasses
-    from kernels import fast_paths
-    from kernels import pallas_qk_norm_rope
+    from fused import fast_paths
+    from fused import pallas_qk_norm_rope
     pallas_qk_norm_rope.ROWS = 8
     fast_paths.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in fast_paths.FAST_PATHS
                           if p.fn is not fast_paths.splash_attend]  # TPU's attention: test_kernels

@@ -1,4 +1,4 @@
-"""kernels/fast_paths.py's fast paths against model.py's functions and written-out references: on one
+"""fused/fast_paths.py's fast paths against model.py's functions and written-out references: on one
 device, sharded over 8 simulated ones (Pallas in its interpreter), and the self-check's fallback."""
 import dataclasses
 import math
@@ -17,9 +17,9 @@ from test_model import moved, numpy_forward, random_gpt
 
 
 def every_kernel(monkeypatch):
-    """kernels.FAST_PATHS as if on one GPU: the Pallas kernel in its interpreter (8-token blocks, so
+    """fast_paths.FAST_PATHS as if on one GPU: the Pallas kernel in its interpreter (8-token blocks, so
     a sequence spans two), attention by jax.nn.dot_product_attention's XLA version."""
-    from kernels import fast_paths, pallas_qk_norm_rope
+    from fused import fast_paths, pallas_qk_norm_rope
     monkeypatch.setattr(pallas_qk_norm_rope, "ROWS", 8)
     paths = [dataclasses.replace(p, applies=lambda cfg: True) for p in fast_paths.FAST_PATHS
              if p.fn is not fast_paths.splash_attend]  # the TPU's attention: its own test
@@ -43,7 +43,7 @@ def test_the_pallas_kernel_is_layer_norm_then_rope(monkeypatch, G):
     """pallas_qk_norm_rope on q (T, H, K) and k (T, G, K), grouped-query and one key head
     included: its forward against numpy, its hand-written backward against autodiff of
     model.qk_norm_rope (gains too), in Pallas's interpreter with two blocks of tokens."""
-    from kernels import pallas_qk_norm_rope as pallas
+    from fused import pallas_qk_norm_rope as pallas
     monkeypatch.setattr(pallas, "ROWS", 8)
     T, H, K = 16, 4, 16
     keys = jax.random.split(jax.random.key(0), 6)
@@ -65,7 +65,7 @@ def test_the_pallas_kernel_is_layer_norm_then_rope(monkeypatch, G):
 def test_splash_attention_matches_model_attend(G):
     """The TPU's attention, splash attention, in Pallas's interpreter on the CPU: causal, all heads
     or grouped-query, outputs and gradients against model.attend's."""
-    from kernels import fast_paths
+    from fused import fast_paths
     T, H, K = 128, 4, 16
     keys = jax.random.split(jax.random.key(G), 4)
     q = jax.random.normal(keys[0], (T, H, K))
@@ -81,7 +81,7 @@ def test_splash_attention_matches_model_attend(G):
 
 def test_splash_attention_applies_on_a_tpu_without_alibi(monkeypatch):
     """ALiBi's bias has no input in splash attention: model.attend runs there."""
-    from kernels import fast_paths
+    from fused import fast_paths
     monkeypatch.setattr(fast_paths, "on_tpu", lambda: True)
     assert fast_paths.splash_applies(tiny(block_size=256, n_kv_head=1))
     assert not fast_paths.splash_applies(tiny(block_size=256, position="alibi"))
@@ -340,7 +340,7 @@ def test_an_edit_that_reaches_the_logits_but_not_the_loss_is_refused(monkeypatch
 
 
 def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys):
-    """kernels.recomputing_gelu runs model.gelu whatever it says, forward and backward: with GELU
+    """fast_paths.recomputing_gelu runs model.gelu whatever it says, forward and backward: with GELU
     edited to its exact (erf) form, the check passes and the kernel computes the edit, values and
     derivative against the erf GELU written out in numpy."""
     fast_paths = every_kernel(monkeypatch)
@@ -369,10 +369,10 @@ def cross_entropy_written_out(h, w, mult, y):
 
 @pytest.mark.parametrize("dtype,tolerance", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
 def test_the_fused_cross_entropy_is_the_cross_entropy_written_out(dtype, tolerance):
-    """kernels/cross_entropy.py on a batch of 3 sequences (train.py's vmap) of a 65-token vocabulary
+    """fused/cross_entropy.py on a batch of 3 sequences (train.py's vmap) of a 65-token vocabulary
     (a multiple of nothing): each position's loss and the gradients for the stream and the readout
     against numpy; model.cross_entropy too. In bfloat16 the relative error is the logits' rounding."""
-    from kernels import cross_entropy as fused
+    from fused import cross_entropy as fused
     B, T, D, V, mult = 3, 8, 16, 65, 0.5
     keys = jax.random.split(jax.random.key(0), 3)
     h, w = (jax.random.normal(k, shape, dtype) for k, shape in zip(keys, [(B, T, D), (V, D)]))
@@ -393,7 +393,7 @@ def test_the_fused_cross_entropy_keeps_no_float32_logits(capsys):
     """In bfloat16, what the fused loss keeps for the backward pass is the bfloat16 logits and a
     float32 log-sum-exp per position; model.cross_entropy's autodiff keeps a float32 (T, V)."""
     from jax.ad_checkpoint import print_saved_residuals
-    from kernels import cross_entropy as fused
+    from fused import cross_entropy as fused
     T, D, V = 16, 8, 65
     h, w = jnp.ones((T, D), jnp.bfloat16), jnp.ones((V, D), jnp.bfloat16)
     y = jnp.zeros(T, jnp.int32)
@@ -506,7 +506,7 @@ import dataclasses, jax
 jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp
 import model, train
-from kernels import fast_paths, pallas_qk_norm_rope
+from fused import fast_paths, pallas_qk_norm_rope
 from conftest import tiny
 pallas_qk_norm_rope.ROWS = 8
 fast_paths.FAST_PATHS = [dataclasses.replace(p, applies=lambda c: True) for p in fast_paths.FAST_PATHS

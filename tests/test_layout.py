@@ -2,6 +2,7 @@
 the core never imports a command, a command never imports another, and no import cycle. Every
 import counts, those inside functions too (some are there to fail fast before JAX loads)."""
 import ast
+import importlib.metadata
 import sys
 from pathlib import Path
 
@@ -50,6 +51,20 @@ def test_the_root_holds_the_core_and_the_commands_only():
     root = {p.stem for p in ROOT.glob("*.py")}
     assert root <= CORE | COMMANDS, root - CORE - COMMANDS
     assert len(root) <= 12
+
+
+def test_no_name_at_the_root_hides_an_installed_package():
+    """The repo's root is first on sys.path when a command runs, so a folder or module there named
+    like an installed package hides it from every library: transformers 5.25 requires Hugging
+    Face's `kernels` and imports it, found this repo's kernels/ folder (now fused/), and export.py
+    and eval.py failed. Checked against the installed distributions' import names and the
+    standard library's, the tests' own modules included (pytest puts tests/ on the path)."""
+    names = {name.split(".")[0] for name in modules()}
+    names |= {p.stem for p in (ROOT / "tests").glob("*.py")}
+    installed = importlib.metadata.packages_distributions()
+    hidden = {n: installed.get(n, ["the standard library"]) for n in sorted(names)
+              if n in installed or n in sys.stdlib_module_names}
+    assert not hidden, f"these names at the root hide installed packages: {hidden}"
 
 
 def test_no_folder_and_no_core_module_imports_a_command():

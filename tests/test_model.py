@@ -313,7 +313,7 @@ def test_attention_implementations_match_a_naive_reference():
             np.testing.assert_allclose(jax.nn.dot_product_attention(q[b], k[b], v[b], is_causal=True),
                                        want, rtol=1e-5, atol=1e-5)
         if jax.default_backend() == "gpu":
-            from kernels import fast_paths
+            from fused import fast_paths
             bf = lambda a: jnp.asarray(a, jnp.bfloat16)
             out = fast_paths.cudnn_attend(bf(q[b]), bf(k[b]), bf(v[b]), 1 / math.sqrt(8))
             np.testing.assert_allclose(out.astype(jnp.float32), want, atol=3e-2)

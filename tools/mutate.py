@@ -40,14 +40,14 @@ MUTATIONS = {
         "inference/decode.py", [("window_BS, jnp.int32(keep)", "window_BS, jnp.int32(keep - 1)")],
         ["tests/test_sample.py::test_cached_greedy_equals_greedy_by_recomputation"]),
     "the readout check compares logits with themselves": (
-        "kernels/agreement.py", [("row_error(gpt.logits(x_TD), want)", "row_error(want, want)")],
+        "fused/agreement.py", [("row_error(gpt.logits(x_TD), want)", "row_error(want, want)")],
         ["tests/test_kernels.py::"
          "test_an_edit_that_reaches_the_logits_but_not_the_loss_is_refused"]),
     "the KV-cache check compares logits with themselves": (
         "inference/decode.py", [("row_error(got_SV, want_SV)", "row_error(want_SV, want_SV)")],
         ["tests/test_sample.py::test_an_edit_decoding_does_not_follow_is_refused"]),
     "the loss note's check compares the loss with itself": (
-        "kernels/agreement.py", [("row_error(model.cross_entropy(*inputs, y_T), plain_T)",
+        "fused/agreement.py", [("row_error(model.cross_entropy(*inputs, y_T), plain_T)",
                                   "row_error(plain_T, plain_T)")],
         ["tests/test_kernels.py::test_a_loss_that_is_not_the_readouts_cross_entropy_is_said"]),
     "optimizer step counts reset at restore": (
@@ -79,7 +79,7 @@ MUTATIONS = {
         "run/rundir.py", [("    if changes := code_changes(run):", "    if changes := None:")],
         ["tests/test_launch.py::test_a_run_resumed_or_read_with_other_code_says_which_files_changed"]),
     "fused cross-entropy: its gradient without the readout multiplier": (
-        "kernels/cross_entropy.py", [("dz_TV = (mult * g_T[:, None]", "dz_TV = (g_T[:, None]")],
+        "fused/cross_entropy.py", [("dz_TV = (mult * g_T[:, None]", "dz_TV = (g_T[:, None]")],
         ["tests/test_kernels.py::test_the_fused_cross_entropy_is_the_cross_entropy_written_out"]),
     "export: attn.out transposed wrongly (same shape)": (
         "export.py", [('"attn.out.weight": T(a(b.attn.out).reshape(L, -1, D)),',

@@ -17,8 +17,8 @@ any position (TOLERANCE), and --config.kernels=false turns every fast path off.
   Pallas splash attention (causal; not ALiBi, whose bias it has no input for).
 - gelu: model.gelu whose backward recomputes it, where the layers are unrolled (GPU): XLA otherwise
   keeps GELU's tanh as a second (B, T, F) output of the forward, written and read back.
-- qk_norm_rope: kernels/pallas_qk_norm_rope.py's kernel for the QK-LayerNorm and RoPE (GPU).
-- cross_entropy: kernels/cross_entropy.py, the log-softmax of the readout with no float32 logits
+- qk_norm_rope: fused/pallas_qk_norm_rope.py's kernel for the QK-LayerNorm and RoPE (GPU).
+- cross_entropy: fused/cross_entropy.py, the log-softmax of the readout with no float32 logits
   (GPU, bfloat16).
 
 Several devices: a kernel (a pallas_call, cuDNN's call) runs inside jax.shard_map on each
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
-from kernels import cross_entropy as fused_cross_entropy, pallas_qk_norm_rope as pallas
-from kernels.agreement import (SCALES, TOLERANCE, check_one_readout, edge_ids, relative_error,
+from fused import cross_entropy as fused_cross_entropy, pallas_qk_norm_rope as pallas
+from fused.agreement import (SCALES, TOLERANCE, check_one_readout, edge_ids, relative_error,
                                whole_relative_error)
 from configs import Config
 
@@ -417,7 +417,7 @@ def splash_applies(cfg: Config) -> bool:
 
 
 def fused_qk_norm_rope(q_THK, k_TGK, q_gain_K, k_gain_K, q_rope, k_rope):
-    """model.qk_norm_rope by kernels/pallas_qk_norm_rope.py's kernel, where queries and keys share
+    """model.qk_norm_rope by fused/pallas_qk_norm_rope.py's kernel, where queries and keys share
     positions and rotation tables and the shapes fit its blocks (ALiBi has no tables; sample.py's
     decoding steps differ: model.py's function takes those)."""
     (T, _, K), S = q_THK.shape, k_TGK.shape[0]

@@ -70,7 +70,11 @@ def hf_config(cfg: Config, n_vocab: int, tokenizer, dtype: str = "float32") -> d
         readout_mult=cfg.alpha_out / cfg.width_mult, attention=cfg.attention,
         position=cfg.position, connections=cfg.connections, dtype=dtype,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        # generate() called without an attention mask masks every id equal to the model's pad id
+        # unless it is also eos: a character vocabulary's pad is a character of the text (a
+        # newline), so only an end-of-text pad is written (the tokenizer still pads batches)
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id == tokenizer.eos_token_id
+        else None,
         architectures=["MuGPTForCausalLM"],
         auto_map={"AutoConfig": "configuration_mugpt.MuGPTConfig",
                   "AutoModelForCausalLM": "modeling_mugpt.MuGPTForCausalLM"})
@@ -118,7 +122,10 @@ def hf_tokenizer(meta: dict):
     tok = meta["tokenizer"]
     if tok["kind"] == "char":  # one id per character, no merges; decoded by joining
         vocab = {c: i for i, c in enumerate(tok["chars"])}
-        core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        # A character outside the vocabulary: without an unknown token the BPE model drops it
+        # silently; with one it has no id for, encoding refuses, naming it (as training does)
+        unk = f"(the text holds a character outside this model's {len(vocab)} characters)"
+        core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk))
         core.decoder = decoders.Fuse()
         # No end-of-text character: lm-eval needs a prefix for an empty context (bos) and pads
         # batches (never read: any id does); the first character (a newline) serves for both.
@@ -180,8 +187,8 @@ def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool =
 def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: dict) -> None:
     """Refuses (UsageError, one line) unless hf/modeling_mugpt.py's model with these weights, in
     float32, computes model.py's logits on a full block and a short sequence (in one pass, and
-    the last token by its KV cache as generate decodes), and every array of the model is carried
-    by an exported tensor."""
+    the last token by its KV cache as generate decodes), every array of the model is carried by an
+    exported tensor, and, in a half-precision export's dtype, its logits are finite."""
     import torch
     from hf.configuration_mugpt import MuGPTConfig
     from hf.modeling_mugpt import CACHE, MuGPTForCausalLM
@@ -213,6 +220,16 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
             scale = max(scale, float(np.abs(want_TV).max()))
         differs = f"max |PyTorch - JAX| logit {worst:.3g} (bound {RTOL * scale:.2g})"
         ok = worst <= RTOL * scale
+        if ok and config["dtype"] != "float32":  # as saved: float16 overflows past 65504
+            ids = torch.from_numpy(tokens(block_size, V, seed=block_size))[None]
+            with torch.no_grad():
+                half = torch_model.to(getattr(torch, config["dtype"]))(ids).logits
+            if not torch.isfinite(half).all():
+                raise UsageError(f"in {config['dtype']} the exported model's logits are not finite "
+                                 "(in float32 they are): export with --dtype=bfloat16 or float32; "
+                                 "nothing was written")
+    except UsageError:
+        raise
     except Exception as e:  # the modeling file cannot even take these weights or run
         differs, ok = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}", False
     if not ok or missing:

@@ -118,18 +118,21 @@ def test_greedy_generate_equals_sample_py(runs):
     """transformers' generate (with its KV cache) against sample.generate at temperature 0, within
     the block (sample.py slides its window beyond it, transformers does not)."""
     model, cfg, hf, tokenizer = load(*runs["sp"])
-    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer("First")["input_ids"])
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer("First\nA")["input_ids"])
 
 
 def assert_greedy_generate_equals_sample_py(model, cfg, hf, prompt: list[int]) -> None:
-    """hf.generate's greedy tokens after prompt, to the end of the block, are sample.py's."""
+    """hf.generate's greedy tokens after prompt, to the end of the block, are sample.py's, called
+    as a user calls it: without an attention mask (transformers then masks every id equal to the
+    model's pad id; a character tokenizer pads with a newline, id 0, which the prompts hold)."""
+    assert 0 in prompt
     n = cfg.block_size - len(prompt)
     want = decode.generate(model, decode.prompt_window(prompt, cfg.block_size), jax.random.key(0),
                            jnp.float32(0.0), num_samples=1, max_new_tokens=n, n_vocab=65)
     want = np.asarray(want)[0].tolist()
     with torch.no_grad():
         got = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                          use_cache=True, attention_mask=torch.ones(1, len(prompt), dtype=int))
+                          use_cache=True)
     assert len(set(want)) > 2  # not one token repeated
     assert got[0, len(prompt):].tolist() == want
 
@@ -185,6 +188,23 @@ def test_gpt2_tokenizer_export_encodes_as_tiktoken(tmp_path):
     assert for_documents(text) == ordinary + [enc.eot_token]  # the separator: data.py's alone
     assert tokenization.load(record)[0](text) == ordinary
     assert export.hf_tokenizer({"tokenizer": record})(text)["input_ids"] == ordinary
+
+
+def test_the_character_tokenizer_refuses_a_character_it_lacks(tmp_path):
+    """The exported character tokenizer, as transformers loads it, encodes as
+    text/tokenization.py does, and refuses a character outside the vocabulary as it does (a BPE
+    model with no unknown token dropped it: "7 ab" was encoded as " ab")."""
+    from text import tokenization
+
+    record = {"kind": "char", "chars": sorted(set(TEXT))}
+    export.hf_tokenizer({"tokenizer": record}).save_pretrained(tmp_path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    encode = tokenization.load(record)[0]
+    assert hf_tok(TEXT)["input_ids"] == encode(TEXT) and hf_tok.decode(encode(TEXT)) == TEXT
+    with pytest.raises(UsageError, match="'7'"):
+        encode("7 we")
+    with pytest.raises(Exception, match=f"outside this model's {len(record['chars'])} characters"):
+        hf_tok("7 we")
 
 
 def test_a_tokenizer_that_adds_its_own_tokens_encodes_one_way_everywhere(tmp_path):
@@ -258,7 +278,7 @@ def test_variant_greedy_generate_equals_sample_py(name, tmp_path):
     """transformers' generate with its KV cache (rotated keys cached, SharedKV's too) against
     sample.py's greedy decoding with model.py's cache, within the block."""
     model, cfg, hf = exported_variant(name, tmp_path)
-    assert_greedy_generate_equals_sample_py(model, cfg, hf, [5, 17, 3, 42])
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, [5, 0, 17, 0, 3, 42])
 
 
 @pytest.mark.parametrize("name", ["all", "gqa"])
@@ -426,6 +446,23 @@ def test_out_is_replaced_whole_and_never_half_written(runs, tmp_path, monkeypatc
     assert names(tmp_path) == ["file", "out"]  # and no temporary folder stays
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_half_precision_export_that_overflows_is_refused(dtype, tmp_path):
+    """Embeddings past float16's largest number (65504; a muP run's can grow so): the float32
+    self-check passes, the float16 model's logits are not finite, and a float16 export is refused
+    in one line, nothing written; bfloat16's range holds them, and it is written."""
+    cfg = variant_cfg("gqa")
+    model = eqx.tree_at(lambda m: m.emb.embed, random_gpt(cfg), replace_fn=lambda x: 1e5 * x)
+    if dtype == "float16":
+        with pytest.raises(UsageError, match="^in float16 the exported model's logits are not "
+                                             "finite .*nothing was written$"):
+            export.write(model, cfg, CHARS, tmp_path / dtype, dtype)
+        assert not (tmp_path / dtype).exists()
+    else:
+        export.write(model, cfg, CHARS, tmp_path / dtype, dtype)
+        assert (tmp_path / dtype / "model.safetensors").exists()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_export_loads_and_generates_as_jax(runs, dtype, tmp_path):
     """Weights saved in dtype, loaded by transformers in it (config.json's dtype): logits within
@@ -442,4 +479,4 @@ def test_half_precision_export_loads_and_generates_as_jax(runs, dtype, tmp_path)
     print(f"\n{dtype}: max |PyTorch - JAX| logit = {diff:.3g} (logits up to {scale:.3g})")
     # a few roundings of the dtype's precision (bfloat16 8 bits, float16 11) of the logits' scale
     assert diff <= 2 * scale * float(torch.finfo(getattr(torch, dtype)).eps)
-    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer("First")["input_ids"])
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer("First\nA")["input_ids"])

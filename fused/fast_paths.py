@@ -11,7 +11,8 @@ gradient, on a batch split over the run's devices as train.py splits its batch. 
 model.py's function (a mask it has no kernel for) is set aside with a printed line, and model.py's
 function runs. So an edit to model.py always runs, a fast path never fails a step, and the line
 naming what runs fused is true; the check catches differences larger than the dtype's rounding at
-any position (TOLERANCE), and --config.kernels=false turns every fast path off.
+any position (TOLERANCE; the fused loss in float32 too), and --config.kernels=false turns every
+fast path off.
 
 - attend: jax.nn.dot_product_attention's cuDNN flash attention (GPU, bfloat16); on a TPU, JAX's
   Pallas splash attention (causal; not ALiBi, whose bias it has no input for).
@@ -37,8 +38,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import model
 from fused import cross_entropy as fused_cross_entropy, pallas_qk_norm_rope as pallas
-from fused.agreement import (SCALES, TOLERANCE, check_one_readout, edge_ids, relative_error,
-                               whole_relative_error)
+from fused.agreement import (SCALES, TOLERANCE, check_one_readout, edge_ids, position_error,
+                             relative_error, whole_relative_error)
 from configs import Config
 
 SPLASH_BLOCK = 128  # splash attention's default blocks of queries and keys
@@ -94,6 +95,11 @@ class FastPath:
     what: str  # what it is, for the printed line
     fn: Callable
     applies: Callable[[Config], bool]  # on this run's devices, dtype and shapes
+    # Outputs of one number per position (a loss): compared position by position (position_error)
+    per_position: bool = False
+    # Math that runs in float32 as well: checked there too, at float32's tolerance, where an edit
+    # below bfloat16's rounding (label smoothing of 0.02) shows; the edit still trains in bfloat16
+    float32_too: bool = False
 
 
 def select(cfg: Config, mesh: jax.sharding.Mesh | None = None, loss: Callable | None = None
@@ -239,9 +245,15 @@ def check_at(path: FastPath, call: Call, cfg: Config, mesh: jax.sharding.Mesh | 
         return f"the model's arguments could not be drawn ({first_line(e)}); it calls {call}"
     HANDED_BACK.clear()
     in_mesh = jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if mesh else None
+    error = position_error if path.per_position else relative_error
     with in_mesh or contextlib.nullcontext():
         problem = mismatch(path.fn, getattr(model, path.name), arrays, run,
-                           TOLERANCE[cfg.compute_dtype])
+                           TOLERANCE[cfg.compute_dtype], error)
+        if not problem and path.float32_too and cfg.compute_dtype != "float32":
+            in_float32 = tuple(x.astype(jnp.float32) for x in arrays)
+            problem = mismatch(path.fn, getattr(model, path.name), in_float32, run,
+                               TOLERANCE["float32"], error)
+            problem = problem and f"{problem}, in float32"
     if HANDED_BACK:
         problem = f"it hands {HANDED_BACK[0]} to model.py's function"
     return problem and f"{problem}; the model calls {call}"
@@ -313,9 +325,9 @@ def say(line: str) -> None:
 
 
 def mismatch(fast: Callable, reference: Callable, arrays: tuple, call: Callable,
-             tolerance: float) -> str | None:
-    """Why fast is not reference on these inputs at each of SCALES (outputs, or gradients of a
-    random projection of them), or None when they agree within tolerance."""
+             tolerance: float, output_error: Callable = relative_error) -> str | None:
+    """Why fast is not reference on these inputs at each of SCALES (outputs, by output_error, or
+    gradients of a random projection of them), or None when they agree within tolerance."""
     def outputs_and_grads(fn, scale, arrays):
         out, pullback = jax.vjp(lambda *a: call(fn, scale, *a), *arrays)
         leaves = jax.tree.leaves(out)
@@ -334,7 +346,7 @@ def mismatch(fast: Callable, reference: Callable, arrays: tuple, call: Callable,
             got = got_fn(jnp.float32(scale), arrays)
         except Exception as e:
             return f"it failed: {first_line(e)}"
-        parts = [("output", got[0], want[0], relative_error)]
+        parts = [("output", got[0], want[0], output_error)]
         if scale == SCALES[0]:
             parts.append(("gradient", got[1], want[1], whole_relative_error))
         for part, g, w, error_of in parts:
@@ -464,5 +476,5 @@ FAST_PATHS = [
              qk_norm_rope_applies),
     FastPath("gelu", "the recomputing GELU", recomputing_gelu, gelu_applies),
     FastPath("cross_entropy", "the fused readout cross-entropy", fused_cross_entropy.cross_entropy,
-             cross_entropy_applies),
+             cross_entropy_applies, per_position=True, float32_too=True),
 ]

@@ -301,6 +301,54 @@ def test_a_loss_edit_for_one_token_sets_the_fused_loss_aside(monkeypatch, capsys
     assert set(fast) == {"attend", "qk_norm_rope", "gelu"}, err
 
 
+END = "end-of-text"
+
+
+def loss_edit(name: str, eot: int):
+    """model.cross_entropy edited as a researcher might, at GPT-2's end-of-text id (V - 1)."""
+    plain = M.cross_entropy
+    edits = {
+        "unedited": plain,
+        f"no loss on {END}": lambda h, w, m, y: jnp.where(y == eot, 0.0, plain(h, w, m, y)),
+        f"{END} weighted 0.5": lambda h, w, m, y: jnp.where(y == eot, 0.5, 1.0) * plain(h, w, m, y),
+        "label smoothing 0.02": lambda h, w, m, y: (
+            0.98 * plain(h, w, m, y) - 0.02 * jax.nn.log_softmax(M.readout(h, w, m)).mean(-1))}
+    return edits[name]
+
+
+@pytest.mark.parametrize("edit,T", [(f"no loss on {END}", 2048), (f"{END} weighted 0.5", 1024),
+                                    ("label smoothing 0.02", 256), ("unedited", 1024)])
+def test_a_loss_edit_at_gpt2s_sizes_sets_the_fused_loss_aside(monkeypatch, capsys, edit, T):
+    """In bfloat16, at a sequence's length as GPT-2 trains it and a vocabulary where end-of-text is
+    rare: a loss edit at that id (no loss, or half) changes one position of T (the check's
+    tokens hold each edge id once), and label smoothing of 0.02 changes every
+    position by less than bfloat16's rounding. The check compares the losses position by position
+    and runs the fused loss in float32 too, so each sets it aside (the check kept it, and training
+    ran the plain cross-entropy, when it compared a sequence's losses as one row in bfloat16
+    alone). Unedited, it stays fused. The fused loss alone is checked: it is the one under test."""
+    fast_paths = every_kernel(monkeypatch)
+    monkeypatch.setattr(fast_paths, "FAST_PATHS",
+                        [p for p in fast_paths.FAST_PATHS if p.name == "cross_entropy"])
+    cfg = tiny(compute_dtype="bfloat16", block_size=T, vocab_size=8192)  # end-of-text is rare
+    monkeypatch.setattr(M, "cross_entropy", loss_edit(edit, cfg.vocab_size - 1))
+    fast = fast_paths.select(cfg)
+    err = capsys.readouterr().err
+    if edit == "unedited":
+        assert set(fast) == {"cross_entropy"}, err
+    else:
+        assert not fast and "kernels: the fused readout cross-entropy set aside" in err, err
+
+
+def test_a_sweep_traces_setup_and_runs_model_py(shakespeare, monkeypatch):
+    """tools/sweeps.py traces train.setup (the LR a tracer, vmapped over LRs), where the check's
+    values would be tracers: it raised ConcretizationTypeError wherever a fast path applied (on a
+    GPU, tools/optimizer_sweep.py stopped). A sweep runs model.py's functions."""
+    from tools import sweeps
+    every_kernel(monkeypatch)
+    loss, val = sweeps.train_runs(tiny(compute_dtype="bfloat16"), [1e-3, 2e-3], 1, 2)
+    assert loss.shape == (2, 1, 2) and np.isfinite(val).all()
+
+
 def test_the_fast_paths_take_a_chunked_loss(monkeypatch, capsys):
     """--config.loss_chunks=2 (train.py's advice when memory runs out) with every fast path: the
     self-check traces train.loss_fn on as many sequences as it splits the batch into, all four

@@ -134,7 +134,8 @@ def train_runs(cfg: Config, lrs: list[float], seeds: int, steps: int,
                                               for seed in xy])) for k in (0, 1))
     x_EBT, y_EBT = (jnp.asarray(np.stack([b[i] for b in val])) for i in (0, 1))
     warmup = round(cfg.warmup_steps * steps / cfg.max_steps)
-    cfg = dataclasses.replace(cfg, max_steps=steps, warmup_steps=warmup)
+    # kernels off: setup is traced here, and the fast paths' check needs values (fused/)
+    cfg = dataclasses.replace(cfg, max_steps=steps, warmup_steps=warmup, kernels=False)
     # The initial models, drawn outside the compiled program, stacked over seeds.
     models = [init(cfg, jax.random.key(cfg.seed + i), readout) for i in range(seeds)]
     arrays_0 = jax.tree.map(lambda *a: jnp.stack(a), *[eqx.filter(g, eqx.is_array) for g in models])

@@ -13,7 +13,9 @@ steps it saved (run/written.py's SAVED) tells a lost checkpoint from a run that 
 """
 import contextlib
 import copy
+import dataclasses
 import errno
+import json
 import logging
 import shutil
 import sys
@@ -28,6 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+import configs
 from configs import Config
 from run.errors import RunError, UsageError
 from model import GPT
@@ -35,8 +38,16 @@ from run.written import (SAVED, damage, files, record_pending, recorded_steps,
                          step_metadata_damage)
 
 
-def checkpoint_manager(rundir: epath.Path, cfg: Config,
-                       read_only: bool = False) -> ocp.CheckpointManager:
+class Checkpoints(ocp.CheckpointManager):
+    """orbax's manager of a run's checkpoints, which knows the config the run trains: each save
+    records it, each restore compares it (check_config)."""
+
+    def __init__(self, directory: epath.Path, options: ocp.CheckpointManagerOptions, cfg: Config):
+        super().__init__(directory, options=options)
+        self.config = cfg
+
+
+def checkpoint_manager(rundir: epath.Path, cfg: Config, read_only: bool = False) -> Checkpoints:
     """RUNDIR/checkpoints/STEP, by orbax: asynchronous (training goes on while it writes), each
     process writing only its own shards. A step is written under a temporary name and renamed when
     complete (on GCS: marked complete by a commit file), so a kill mid-save leaves nothing that
@@ -51,7 +62,7 @@ def checkpoint_manager(rundir: epath.Path, cfg: Config,
         preservation_policy=ocp.checkpoint_managers.LatestN(cfg.ckpt_keep),
         cleanup_tmp_directories=True, read_only=read_only, async_options=written,
         lightweight_initialize=True)
-    return ocp.CheckpointManager(directory, options=options)
+    return Checkpoints(directory, options, cfg)
 
 
 def checkpoints_dir(rundir: epath.Path) -> epath.Path:
@@ -115,7 +126,7 @@ def verify(step: int, state: dict, saved: dict | None) -> None:
     raise Damaged(f"the checkpoint of step {step} is damaged: its array {bad} {why}")
 
 
-def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_state,
+def save_checkpoint(mngr: Checkpoints, step: int, model: GPT, opt_state,
                     tally: dict) -> None:
     """Returns once the arrays are copied to host memory (the next step may donate them); a
     background thread writes them. An error of the previous save is raised here. train.py decides
@@ -130,11 +141,12 @@ def save_checkpoint(mngr: ocp.CheckpointManager, step: int, model: GPT, opt_stat
     check_space(mngr, step, state)
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               tally=ocp.args.JsonSave(copy.deepcopy(tally)),
-                              checksums=ocp.args.JsonSave(sums))
+                              checksums=ocp.args.JsonSave(sums),
+                              config=ocp.args.JsonSave(trained_as(mngr.config)))
     mngr.save(step, args=args, force=True)
 
 
-def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
+def restore_checkpoint(mngr: Checkpoints, model: GPT, opt_state,
                        step: int | None = None) -> tuple[GPT, optax.OptState, dict]:
     """The checkpoint of `step` (default: the latest complete one), onto the shardings of `model`
     and `opt_state` (fresh from setup(), on this run's mesh, which may differ from the saving
@@ -145,6 +157,7 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
     step = mngr.latest_step() if step is None else step
     with damage_as_one_line(mngr, step):
         check_fits(mngr, step, target)
+        check_config(mngr, step)
         jax.tree.map(lambda x: x.delete(), (params, opt_state))
         recorded = (mngr.directory / str(step) / "checksums").exists()  # else an older mugpt's
         items = dict(checksums=ocp.args.JsonRestore()) if recorded else {}
@@ -156,7 +169,7 @@ def restore_checkpoint(mngr: ocp.CheckpointManager, model: GPT, opt_state,
     return model, restored.state["opt_state"], restored.tally
 
 
-def resume(mngr: ocp.CheckpointManager, model: GPT, opt_state, set_aside: bool = True
+def resume(mngr: Checkpoints, model: GPT, opt_state, set_aside: bool = True
            ) -> tuple[int, GPT, optax.OptState, dict | None]:
     """(step, model, opt_state, tally) of the newest intact checkpoint, or (0, model, opt_state,
     None) for a run that has saved none. A damaged one is said in one line and renamed
@@ -241,7 +254,7 @@ def agree(step: int) -> None:
                            f"{sorted(steps)}): rename the damaged one STEP.damaged")
 
 
-def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = None) -> GPT:
+def restore_model(mngr: Checkpoints, model: GPT, step: int | None = None) -> GPT:
     """The model alone of the checkpoint of `step` (default: the latest), onto the shardings of
     `model`: for sampling, which needs no optimizer state (twice the model's memory under Adam) and
     so no setup(). `model`'s arrays may be shapes alone (jax.ShapeDtypeStruct, on the default
@@ -253,6 +266,7 @@ def restore_model(mngr: ocp.CheckpointManager, model: GPT, step: int | None = No
     step = mngr.latest_step() if step is None else step
     with damage_as_one_line(mngr, step):
         check_fits(mngr, step, target)
+        check_config(mngr, step)
         jax.tree.map(lambda x: x.delete() if isinstance(x, jax.Array) else None, params)
         # partial_restore: the saved arrays that target lacks (opt_state) are not read. Not through
         # mngr: a manager that has saved holds the state's handler, which restores whole trees.
@@ -278,7 +292,7 @@ def abstract(tree):
         weak_type=x.weak_type), tree)
 
 
-def check_fits(mngr: ocp.CheckpointManager, step: int, target: dict) -> None:
+def check_fits(mngr: Checkpoints, step: int, target: dict) -> None:
     """An edited model.py meets an older checkpoint here: the arrays that differ are named, not
     dumped as orbax's trees. Only the saved parts that target asks for are compared. Dtypes too:
     orbax would cast a float32 array into a bfloat16 parameter, whose sums then differ from those
@@ -299,6 +313,42 @@ def check_fits(mngr: ocp.CheckpointManager, step: int, target: dict) -> None:
         raise UsageError(f"the checkpoint of step {step} does not fit the model that model.py and "
                          f"the config build: {'; '.join(diff[:3])}{'; ...' if diff[3:] else ''} "
                          f"(run.json names the commit it was trained at)")
+
+
+# Fields a reader may set otherwise than the run trained with, besides the ones a resume may
+# change (configs.RESUMABLE): sample.py's and the export's float32 reads a bfloat16 run's model
+READ_OTHERWISE = ("compute_dtype",)
+
+
+def trained_as(cfg: Config) -> dict:
+    """The config a checkpoint records (as JSON reads it back): what its arrays are the model and
+    optimizer state of."""
+    skip = (*configs.RESUMABLE, *READ_OTHERWISE)
+    return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items()
+                                  if k not in skip}))
+
+
+def check_config(mngr: Checkpoints, step: int) -> None:
+    """A checkpoint whose arrays fit the model but whose config is not this run's (copied from
+    another run, or config.json edited: ALiBi's arrays are RoPE's, MHA's with one key/value head
+    and SharedKV's with two have the same qkv) is refused in one line naming the fields, never
+    read as this run's model. A field one of them lacks (a mugpt of another version) is not
+    compared; a checkpoint saved before configs were recorded is said in a note."""
+    path = mngr.directory / str(step) / "config"
+    if not path.exists():
+        print(f"note: the checkpoint of step {step} records no config (saved by an older mugpt): "
+              f"it is read as the model of {mngr.directory.parent / 'config.json'}",
+              file=sys.stderr, flush=True)
+        return
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+        saved = checkpointer.restore(path)
+    now = trained_as(mngr.config)
+    differ = [f"{k}={saved[k]!r} there, {now[k]!r} here" for k in sorted(saved.keys() & now.keys())
+              if saved[k] != now[k]]
+    if differ:
+        raise UsageError(f"the checkpoint of step {step} is another run's: it was trained with "
+                         f"{'; '.join(differ[:3])}{'; ...' if differ[3:] else ''}: move it out "
+                         f"of {mngr.directory}, or read it with the config it was trained with")
 
 
 class Damaged(RunError):
@@ -327,7 +377,7 @@ def damage_as_one_line(mngr: ocp.CheckpointManager, step: int):
                       f"{first}") from None
 
 
-def check_space(mngr: ocp.CheckpointManager, step: int, state: dict) -> None:
+def check_space(mngr: Checkpoints, step: int, state: dict) -> None:
     """A save that cannot fit on a local disk stops the run before it writes anything, the earlier
     checkpoints untouched. It needs what the last one took (orbax compresses), else the arrays'
     bytes."""

@@ -446,6 +446,39 @@ def test_a_checkpoint_of_another_model_is_one_line_naming_the_arrays(tmp_path):
     assert all(not x.is_deleted() for x in jax.tree.leaves(state))
 
 
+@pytest.mark.parametrize("trained,read,said", [
+    ({}, {"position": "alibi"}, "position='rope' there, 'alibi' here"),
+    ({"n_head": 4, "n_kv_head": 1}, {"n_head": 4, "attention": "sharedkv", "n_kv_head": 2},
+     "attention='mha' there, 'sharedkv' here; n_kv_head=1 there, 2 here")],
+    ids=["rope-read-as-alibi", "mha-read-as-sharedkv"])
+def test_a_checkpoint_of_another_runs_config_is_one_line(tmp_path, trained, read, said):
+    """A checkpoint whose arrays fit this run's model but were trained as another's (copied from
+    another run's directory, or config.json edited): RoPE's arrays read as ALiBi's, or MHA's with
+    one key/value head as SharedKV's with two (the same qkv, split otherwise). Refused by
+    resume's restore and by sample.py's, naming the fields, before any array is freed; under the
+    config it was trained with, it restores."""
+    cfg, other = tiny(**trained), tiny(**read)
+    s = train.setup(cfg, train.make_mesh(cfg))
+    saving = checkpoint_manager(epath.Path(tmp_path), cfg)
+    save_checkpoint(saving, 3, s.model, s.opt_state, {})
+    saving.wait_until_finished()
+    s2 = train.setup(other, train.make_mesh(other))
+    layout = lambda m: [(x.shape, x.dtype) for x in jax.tree.leaves(eqx.filter(m, eqx.is_array))]
+    assert layout((s.model, s.opt_state)) == layout((s2.model, s2.opt_state))  # the arrays fit
+    mngr = checkpoint_manager(epath.Path(tmp_path), other, read_only=True)
+    for restore in (lambda: restore_checkpoint(mngr, s2.model, s2.opt_state),
+                    lambda: restore_model(mngr, s2.model)):
+        with pytest.raises(UsageError) as e:
+            restore()
+        assert str(e.value) == (
+            f"the checkpoint of step 3 is another run's: it was trained with {said}: move it out "
+            f"of {mngr.directory}, or read it with the config it was trained with")
+        assert all(not x.is_deleted() for x in jax.tree.leaves(eqx.filter(s2.model, eqx.is_array)))
+    s3 = train.setup(cfg, train.make_mesh(cfg))
+    restore_checkpoint(checkpoint_manager(epath.Path(tmp_path), cfg, read_only=True), s3.model,
+                       s3.opt_state)
+
+
 def test_restore_model_reads_the_model_alone(tmp_path):
     """sample.py's restore: a checkpoint's model, onto a model built without an optimizer state
     (init_gpt, other initial values): exactly the arrays that were saved, and that
@@ -622,7 +655,9 @@ def test_a_checkpoint_saved_before_checksums_restores_with_a_note(tmp_path, caps
     for a, b in zip(jax.tree.leaves(eqx.filter(model, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert "has no checksums (saved by an older mugpt)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "has no checksums (saved by an older mugpt)" in err
+    assert "records no config (saved by an older mugpt)" in err
     alone = restore_model(mngr, init_gpt(cfg, jax.random.key(2)), step=1)  # sample.py's read
     for a, b in zip(jax.tree.leaves(eqx.filter(alone, eqx.is_array)),
                     jax.tree.leaves(eqx.filter(s.model, eqx.is_array)), strict=True):

@@ -6,6 +6,7 @@ The config is configs/NAME.py with typed overrides from the command line. The ru
 command), dataset.json, metrics.jsonl, tensorboard events, checkpoints/ and checkpoints.json; an
 existing one resumes, as its config.json says unless --config is given.
 """
+import contextlib
 import dataclasses
 import os
 import signal
@@ -44,7 +45,7 @@ def parse_args(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    for s in (signal.SIGINT, signal.SIGTERM):  # the training loop takes them over while it runs
+    for s in SIGNALS:  # the training loop takes them over while it runs
         signal.signal(s, interrupted)
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -80,13 +81,16 @@ def main(argv: list[str] | None = None) -> None:
                 check_dataset(epath.Path(args.rundir), data.read_meta(cfg), data.data_dir(cfg))
             data.load_split(cfg, "train"), data.load_split(cfg, "val")
             params.check(cfg, jax.device_count())  # an edited model.py's parameter without a row
-            # Process 0 checks and writes the run directory; the others only train in it.
-            rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart,
-                                        saves=not args.debug)
-                            if jax.process_index() == 0 else (epath.Path(args.rundir), None))
+            # Process 0 checks and writes the run directory; the others only train in it. A
+            # signal while it is written waits until its undo is registered: a Ctrl-C just after
+            # "run directory ..." is printed must not leave a config.json of a run never trained
             began = []
-            if undo:  # Ctrl-C while it compiles: the same undo (interrupted, below)
-                UNDO.append(lambda: began or undo())
+            with signals_held():
+                rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart,
+                                            saves=not args.debug)
+                                if jax.process_index() == 0 else (epath.Path(args.rundir), None))
+                if undo:  # Ctrl-C while it compiles: the same undo (interrupted, below)
+                    UNDO.append(lambda: began or undo())
             if jax.default_backend() == "cpu" and cfg.compute_dtype == "bfloat16":
                 print(f"note: {args.config} computes in bfloat16, for GPUs and TPUs: on a CPU it "
                       "is slow (the CPU recipe: --config=shakespeare_char_cpu, float32)")
@@ -126,6 +130,17 @@ def vocabulary_of_the_data(cfg: configs.Config, overrides: list[str]) -> configs
 
 
 UNDO: list = []  # what interrupted() puts back first: the run directory as it was
+SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM delivered only on leaving: to interrupted(), with UNDO as it is then."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def interrupted(signum: int, _) -> None:

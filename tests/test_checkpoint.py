@@ -374,6 +374,24 @@ def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tm
     assert run(launch_args(rundir, f"--config.max_steps={STEPS // 4}"), env).returncode == 0
 
 
+def test_a_signal_as_the_run_directory_is_written_is_undone_too(shakespeare, tmp_path, env):
+    """The window the test above can hit by chance, made certain: SIGINT arrives the moment
+    open_rundir returns, before launch.py has registered its undo (it printed "run directory"
+    already). The signal waits for the undo, and the new run's files are removed."""
+    rundir = tmp_path / "run"
+    script = ("import os, signal, sys, launch\n"
+              "real = launch.open_rundir\n"
+              "def sent(*a, **k):\n"
+              "    out = real(*a, **k)\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    return out\n"
+              "launch.open_rundir = sent\n"
+              "launch.main(sys.argv[1:])\n")
+    r = run(["-c", script, *launch_args(rundir)[1:]], env)
+    assert_one_line_error(r, "interrupted (SIGINT)")
+    assert not rundir.exists(), sorted(p.name for p in rundir.iterdir())
+
+
 def test_the_run_keeps_its_dataset_record(shakespeare, tmp_path, env):
     """launch.py copies the dataset's meta.json into the run directory (dataset.json); a resume on
     the dataset prepared again with another vocabulary (here every letter's case swapped: the same

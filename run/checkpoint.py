@@ -316,8 +316,9 @@ def check_fits(mngr: Checkpoints, step: int, target: dict) -> None:
 
 
 # Fields a reader may set otherwise than the run trained with, besides the ones a resume may
-# change (configs.RESUMABLE): sample.py's and the export's float32 reads a bfloat16 run's model
-READ_OTHERWISE = ("compute_dtype",)
+# change (configs.RESUMABLE): sample.py's and the export's float32 reads a bfloat16 run's model,
+# and a run whose dataset is gone decodes with its dataset.json (a resume checks the data itself)
+READ_OTHERWISE = ("compute_dtype", "dataset")
 
 
 def trained_as(cfg: Config) -> dict:

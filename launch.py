@@ -6,16 +6,14 @@ The config is configs/NAME.py with typed overrides from the command line. The ru
 command), dataset.json, metrics.jsonl, tensorboard events, checkpoints/ and checkpoints.json; an
 existing one resumes, as its config.json says unless --config is given.
 """
-import contextlib
 import dataclasses
-import os
-import signal
 import sys
 
 from etils import epath
 
 import configs
 from configs import apply_overrides
+from run import interrupt
 from run.devices import default_memory_fraction
 from run.errors import ArgumentParser, RunError, UsageError
 from run.rundir import check_dataset, open_rundir, resume_config
@@ -45,8 +43,8 @@ def parse_args(argv: list[str]):
 
 
 def main(argv: list[str] | None = None) -> None:
-    for s in SIGNALS:  # the training loop takes them over while it runs
-        signal.signal(s, interrupted)
+    interrupt.exit_on_signals("a run directory resumes from its last checkpoint when given "
+                              "again as --rundir")  # the training loop takes them over meanwhile
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         if args.config is None:  # resume, as the run's config.json says
@@ -85,12 +83,12 @@ def main(argv: list[str] | None = None) -> None:
             # signal while it is written waits until its undo is registered: a Ctrl-C just after
             # "run directory ..." is printed must not leave a config.json of a run never trained
             began = []
-            with signals_held():
+            with interrupt.held():
                 rundir, undo = (open_rundir(args.rundir, args.config, cfg, args.restart,
                                             saves=not args.debug)
                                 if jax.process_index() == 0 else (epath.Path(args.rundir), None))
-                if undo:  # Ctrl-C while it compiles: the same undo (interrupted, below)
-                    UNDO.append(lambda: began or undo())
+                if undo:  # Ctrl-C while it compiles: the same undo (run/interrupt.py)
+                    interrupt.UNDO.append(lambda: began or undo())
             if jax.default_backend() == "cpu" and cfg.compute_dtype == "bfloat16":
                 print(f"note: {args.config} computes in bfloat16, for GPUs and TPUs: on a CPU it "
                       "is slow (the CPU recipe: --config=shakespeare_char_cpu, float32)")
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                     undo()
                 raise
             finally:  # done or undone: a later signal in this process must not undo again
-                UNDO.clear()
+                interrupt.UNDO.clear()
     except (UsageError, RunError) as e:
         sys.exit(f"error: {e}")
 
@@ -127,33 +125,6 @@ def vocabulary_of_the_data(cfg: configs.Config, overrides: list[str]) -> configs
     print(f"note: vocab_size={vocab}, from {cfg.dataset}'s meta.json (the config has "
           f"{cfg.vocab_size})")
     return dataclasses.replace(cfg, vocab_size=vocab)
-
-
-UNDO: list = []  # what interrupted() puts back first: the run directory as it was
-SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-@contextlib.contextmanager
-def signals_held():
-    """SIGINT and SIGTERM delivered only on leaving: to interrupted(), with UNDO as it is then."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-
-
-def interrupted(signum: int, _) -> None:
-    """SIGINT (Ctrl-C) or SIGTERM outside the training loop, whose own handler saves and stops: one
-    line and out at once. Not a KeyboardInterrupt, which JAX's gc callbacks can swallow (the run
-    goes on) and which, cutting an XLA compilation short, makes the interpreter's exit segfault
-    (jax 0.10); SIGTERM's default was a silent kill."""
-    name = signal.Signals(signum).name
-    for undo in UNDO:
-        undo()
-    print(f"\nerror: interrupted ({name}); a run directory resumes from its last checkpoint "
-          f"when given again as --rundir", file=sys.stderr, flush=True)  # \n: past a progress bar
-    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ with its threshold."""
 import argparse
 import dataclasses
 import json
-import os
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ import optimizers
 import params
 from tools import plots
 from tools.sweeps import coord_check, train_runs
-from run import rundir
+from run import interrupt, rundir
 from configs import Config
 from run.errors import ArgumentParser, RunError, UsageError
 
@@ -263,14 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                          "command without --parts measure the others later")
     args, overrides = ap.parse_known_args(argv)  # --config.FIELD=VALUE, as launch.py takes them
 
-    def interrupted(*_):
-        """Ctrl-C: one line and out at once (each file is written whole, plots.write_atomic);
-        not a KeyboardInterrupt, for launch.interrupted's reasons."""
-        sys.stdout.flush()
-        print("error: interrupted; rerun the same command to continue", file=sys.stderr)
-        os._exit(1)
-
-    previous = signal.signal(signal.SIGINT, interrupted)
+    # each file is written whole (plots.write_atomic): out at once, and the same command goes on
+    previous = interrupt.exit_on_signals("rerun the same command to continue")
     try:
         if args.seeds < 1:
             raise UsageError(f"--seeds={args.seeds}: at least 1 (3 or more for a spread)")
@@ -285,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     except (UsageError, RunError) as e:
         raise SystemExit(f"error: {e}")
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def checkpoints_dir(rundir: epath.Path) -> epath.Path:
 def saved_steps(rundir: epath.Path) -> list[int]:
     if not (rundir / "checkpoints").exists():
         return []
-    return ocp.path.step.checkpoint_steps(checkpoints_dir(rundir))
+    return sorted(ocp.path.step.checkpoint_steps(checkpoints_dir(rundir)))  # orbax's: unsorted
 
 
 @jax.jit

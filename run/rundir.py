@@ -203,7 +203,7 @@ def check_space(rundir: epath.Path, cfg: Config) -> None:
     if str(rundir).startswith("gs://"):
         return
     steps = checkpoint.saved_steps(rundir)
-    last = rundir / "checkpoints" / str(max(steps)) if steps else None  # orbax lists unsorted
+    last = rundir / "checkpoints" / str(steps[-1]) if steps else None
     needed = (sum(p.stat().length for p in written.files(last).values()) if last
               else checkpoint.first_checkpoint_bytes(cfg))
     where = next(p for p in (rundir, *rundir.parents) if p.exists())

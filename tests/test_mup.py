@@ -377,7 +377,7 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
 
     out, done[:] = tmp_path / "resumed", []
     result = run(["-c", INTERRUPTED, *args, f"--out={out}"], timeout=300)
-    assert (result.returncode, result.stderr) == (1, "error: interrupted; rerun the same command to continue\n")
+    assert (result.returncode, result.stderr) == (1, "\nerror: interrupted (SIGINT); rerun the same command to continue\n")
     assert not [f for f in os.listdir(out) if f.startswith(".")]  # no temporary file left
     partial = json.loads((out / "evidence.json").read_text())["results"]
     assert "lr_width" in partial and "256" not in partial["lr_width"]

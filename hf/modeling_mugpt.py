@@ -8,9 +8,11 @@ Loaded by `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)`; `
 transformers' DynamicCache of the keys after QK-norm and RoPE, and the values. SharedKV caches its
 rotated keys as well as its values: twice the memory of model.py's cache (which keeps the values
 alone and recomputes the keys each step), the price of using transformers' cache unchanged.
-RoPE's positions are position_ids where generate passes them (from the attention mask: left
-padding shifts them), else they follow the cache. ALiBi's distances are those of cache indices,
-which equal the positions' differences between unpadded tokens (padding is on the left only).
+RoPE's positions are position_ids where passed (generate's count them from the attention mask
+over the cache's window: left padding shifts them), else they follow the cache. ALiBi's distances
+are those of cache indices, which equal the positions' differences between unpadded tokens
+(padding is on the left only). Past max_position_embeddings (the block_size it was trained on)
+generate slides its window as sample.py does (prepare_inputs_for_generation).
 """
 import math
 
@@ -178,6 +180,28 @@ class MuGPTForCausalLM(PreTrainedModel, GenerationMixin):
 
     def get_input_embeddings(self):
         return self.embed
+
+    def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+        """generate's inputs, windowed as sample.py's (inference/decode.py): the model was trained
+        on S = max_position_embeddings positions, so a longer prompt keeps its last S tokens, and
+        when the cache is full it is emptied and the last S // 2 tokens run again from position 0
+        with the new one: every new token sees S // 2 to S tokens, never a position it was not
+        trained on. RoPE's positions are counted from the attention mask over the cache's window."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        cache = inputs.get("cache", inputs.get("past_key_values"))
+        past = cache.get_seq_length() if cache is not None else 0
+        S, T = self.config.max_position_embeddings, inputs["input_ids"].shape[1]
+        if past + T > S:  # the window slides
+            n = min(S, S // 2 + T) if past else S
+            if past:  # a negative crop: that many tokens removed (transformers 4.x and 5.x)
+                cache.crop(-past)
+            past, T, inputs["input_ids"] = 0, n, input_ids[:, -n:].contiguous()
+        mask = inputs.get("attention_mask")
+        inputs.pop("position_ids", None)  # generate's count from the first token, past any slide
+        if mask is not None and mask.ndim == 2:
+            window = mask[:, -(past + T):].long()
+            inputs["position_ids"] = (window.cumsum(-1) - 1).masked_fill(window == 0, 0)[:, -T:]
+        return inputs
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None,
                 past_key_values=None, use_cache=None, labels=None, **kwargs):

@@ -115,18 +115,23 @@ def test_pytorch_loss_of_labels_is_the_cross_entropy_over_the_tokenizers_ids(run
 
 
 def test_greedy_generate_equals_sample_py(runs):
-    """transformers' generate (with its KV cache) against sample.generate at temperature 0, within
-    the block (sample.py slides its window beyond it, transformers does not)."""
+    """transformers' generate (with its KV cache) against sample.generate at temperature 0, past
+    the block: the window slides as sample.py's."""
     model, cfg, hf, tokenizer = load(*runs["sp"])
-    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer("First\nA")["input_ids"])
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer("First\nA")["input_ids"], 3)
+    # a prompt longer than the block: its last block_size tokens, as sample.py keeps them
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer(TEXT)["input_ids"], 5)
 
 
-def assert_greedy_generate_equals_sample_py(model, cfg, hf, prompt: list[int]) -> None:
-    """hf.generate's greedy tokens after prompt, to the end of the block, are sample.py's, called
-    as a user calls it: without an attention mask (transformers then masks every id equal to the
-    model's pad id; a character tokenizer pads with a newline, id 0, which the prompts hold)."""
+def assert_greedy_generate_equals_sample_py(model, cfg, hf, prompt: list[int],
+                                            blocks: int = 1) -> None:
+    """hf.generate's greedy tokens after prompt, to the end of the block or through `blocks`
+    blocks (the window slides by half at each full one: 2 blocks slide 3 times), are sample.py's,
+    called as a user calls it: without an attention mask (transformers then masks every id equal
+    to the model's pad id; a character tokenizer pads with a newline, id 0, which the prompts
+    hold)."""
     assert 0 in prompt
-    n = cfg.block_size - len(prompt)
+    n = blocks * cfg.block_size - len(prompt)
     want = decode.generate(model, decode.prompt_window(prompt, cfg.block_size), jax.random.key(0),
                            jnp.float32(0.0), num_samples=1, max_new_tokens=n, n_vocab=65)
     want = np.asarray(want)[0].tolist()
@@ -276,24 +281,28 @@ def test_variant_pytorch_logits_equal_jax_logits(name, tmp_path):
 @pytest.mark.parametrize("name", ["all", "mudd_sharedkv", "gqa"])
 def test_variant_greedy_generate_equals_sample_py(name, tmp_path):
     """transformers' generate with its KV cache (rotated keys cached, SharedKV's too) against
-    sample.py's greedy decoding with model.py's cache, within the block."""
+    sample.py's greedy decoding with model.py's cache, past the block (the window slides)."""
     model, cfg, hf = exported_variant(name, tmp_path)
-    assert_greedy_generate_equals_sample_py(model, cfg, hf, [5, 0, 17, 0, 3, 42])
+    assert_greedy_generate_equals_sample_py(model, cfg, hf, [5, 0, 17, 0, 3, 42], 3)
 
 
 @pytest.mark.parametrize("name", ["all", "gqa"])
 def test_left_padded_batch_generates_as_each_prompt_alone(name, tmp_path):
     """A batch of prompts of two lengths, left-padded as generate pads them: RoPE's positions come
-    from position_ids and ALiBi's distances from cache indices, so each row decodes as alone."""
+    from the attention mask and ALiBi's distances from cache indices, so each row decodes as alone
+    until the batch's window slides: the cache holds the padding too, so the shorter row slides
+    with the longer, two tokens early; the longer row is as alone throughout."""
     _, cfg, hf = exported_variant(name, tmp_path)
-    prompts, n = [[5, 17, 3, 42], [9, 8]], 8
+    prompts, n = [[5, 17, 3, 42], [9, 8]], 2 * cfg.block_size
+    before = cfg.block_size - len(prompts[0]) + 1  # tokens drawn before the batch's first slide
     with torch.no_grad():
         alone = [hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, -n:]
                  for p in prompts]
         ids = torch.tensor([prompts[0], [0, 0, *prompts[1]]])
         mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
         batch = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)[:, -n:]
-    assert [b.tolist() for b in batch] == [a.tolist() for a in alone]
+    assert batch[0].tolist() == alone[0].tolist()
+    assert batch[1, :before].tolist() == alone[1][:before].tolist()
 
 
 # ---------------------------------------------------------------------------------------------

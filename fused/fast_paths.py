@@ -303,13 +303,15 @@ def hand_back(name: str, why: str, *args):
 
 
 def batch_on(mesh: jax.sharding.Mesh | None, cfg: Config, example: Callable) -> tuple:
-    """example's inputs and call as train.py runs them on mesh: a batch of one sequence per device,
-    split over them, under jax.vmap with batch_axes()."""
-    if mesh is None or mesh.size == 1:
-        return example(cfg, jax.random.key(0))
-    examples = [example(cfg, key) for key in jax.random.split(jax.random.key(0), mesh.size)]
+    """example's inputs and call as train.py runs them on mesh (None: one device): a batch of two
+    sequences per device, split over them, under jax.vmap with batch_axes(). Two, not one: a
+    kernel's batching under vmap (a pallas_call's grid, cuDNN's batch) must keep each device's
+    sequences apart, as training's many per device."""
+    devices = mesh.size if mesh is not None else 1
+    examples = [example(cfg, key) for key in jax.random.split(jax.random.key(0), 2 * devices)]
     arrays = jax.tree.map(lambda *a: jnp.stack(a), *(arrays for arrays, _ in examples))
-    arrays = jax.device_put(arrays, NamedSharding(mesh, P(mesh.axis_names)))
+    if devices > 1:
+        arrays = jax.device_put(arrays, NamedSharding(mesh, P(mesh.axis_names)))
     call = examples[0][1]
 
     def batched_call(fn, scale, *arrays):

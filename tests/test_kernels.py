@@ -403,6 +403,30 @@ def test_the_recomputing_gelu_follows_an_edit_to_model_gelu(monkeypatch, capsys)
     np.testing.assert_allclose(grad, cdf + x * pdf, rtol=1e-4, atol=1e-5)
 
 
+def test_a_kernel_whose_batching_mixes_sequences_is_set_aside_on_one_device(monkeypatch, capsys):
+    """A kernel right on any one sequence but whose batching under vmap (train.py's over the
+    batch) hands each sequence its neighbour's output, as a wrong grid or batch rule would: the
+    check runs two sequences per device under the same vmap, so even one device sets it aside."""
+    fast_paths = every_kernel(monkeypatch)
+
+    @jax.custom_batching.custom_vmap
+    def mixing_gelu(x):
+        return M.gelu(x)
+
+    @mixing_gelu.def_vmap
+    def batched(axis_size, in_batched, x):
+        return jnp.roll(jax.vmap(M.gelu)(x), 1, axis=0), in_batched[0]
+
+    paths = [dataclasses.replace(p, fn=mixing_gelu) for p in fast_paths.FAST_PATHS if p.name == "gelu"]
+    monkeypatch.setattr(fast_paths, "FAST_PATHS", paths)
+    x = jax.random.normal(jax.random.key(0), (3, 5))  # right alone, wrong in a batch
+    assert jnp.array_equal(mixing_gelu(x[0]), M.gelu(x[0]))
+    assert not jnp.allclose(jax.vmap(mixing_gelu)(x), M.gelu(x))
+    assert fast_paths.select(tiny()) == {}
+    assert ("kernels: the recomputing GELU set aside, model.gelu runs instead: its output differs "
+            "by ") in capsys.readouterr().err
+
+
 def cross_entropy_written_out(h, w, mult, y):
     """Each position's -log softmax(mult h w^T)[y] and the gradients of their sum with respect to h
     and w (the softmax minus the one-hot target, times mult, through the matmul): numpy, float64,

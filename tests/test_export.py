@@ -126,10 +126,10 @@ def test_greedy_generate_equals_sample_py(runs):
 def assert_greedy_generate_equals_sample_py(model, cfg, hf, prompt: list[int],
                                             blocks: int = 1) -> None:
     """hf.generate's greedy tokens after prompt, to the end of the block or through `blocks`
-    blocks (the window slides by half at each full one: 2 blocks slide 3 times), are sample.py's,
-    called as a user calls it: without an attention mask (transformers then masks every id equal
-    to the model's pad id; a character tokenizer pads with a newline, id 0, which the prompts
-    hold)."""
+    blocks (the window slides by half each time it is full: 3 blocks slide 4 times), are
+    sample.py's, called as a user calls it: without an attention mask (transformers then masks
+    every id equal to the model's pad id; a character tokenizer pads with a newline, id 0, which
+    the prompts hold)."""
     assert 0 in prompt
     n = blocks * cfg.block_size - len(prompt)
     want = decode.generate(model, decode.prompt_window(prompt, cfg.block_size), jax.random.key(0),

@@ -417,7 +417,8 @@ def test_a_kernel_whose_batching_mixes_sequences_is_set_aside_on_one_device(monk
     def batched(axis_size, in_batched, x):
         return jnp.roll(jax.vmap(M.gelu)(x), 1, axis=0), in_batched[0]
 
-    paths = [dataclasses.replace(p, fn=mixing_gelu) for p in fast_paths.FAST_PATHS if p.name == "gelu"]
+    paths = [dataclasses.replace(p, fn=mixing_gelu) for p in fast_paths.FAST_PATHS
+             if p.name == "gelu"]
     monkeypatch.setattr(fast_paths, "FAST_PATHS", paths)
     x = jax.random.normal(jax.random.key(0), (3, 5))  # right alone, wrong in a batch
     assert jnp.array_equal(mixing_gelu(x[0]), M.gelu(x[0]))

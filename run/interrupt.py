@@ -11,12 +11,16 @@ import sys
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 UNDO: list = []  # what a signal puts back first (launch.py: the run directory as it was)
+HELD: list | None = None  # inside held(): the signals that came, delivered on leaving
 
 
 def exit_on_signals(then: str) -> dict:
     """Installs the handler of SIGNALS, whose line ends with `then` (what to do next); returns the
     handlers it replaced."""
     def interrupted(signum: int, _) -> None:
+        if HELD is not None:
+            HELD.append(signum)
+            return
         for undo in UNDO:
             undo()
         sys.stdout.flush()  # \n: past a progress bar
@@ -28,10 +32,15 @@ def exit_on_signals(then: str) -> dict:
 
 @contextlib.contextmanager
 def held():
-    """SIGNALS delivered only on leaving, with UNDO as it is then: around a write and the
-    registration of its undo, so that no signal falls between them."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    """SIGNALS acted on only on leaving, with UNDO as it is then: around a write and the
+    registration of its undo, so that no signal falls between them. The handler defers them
+    itself: blocking them (pthread_sigmask) holds them for the calling thread only, and once JAX
+    has started its threads one of those takes the signal, whose handler then runs at once."""
+    global HELD
+    HELD = []
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+        came, HELD = HELD, None
+        if came:
+            signal.raise_signal(came[0])

@@ -377,13 +377,16 @@ def test_a_signal_during_startup_is_one_line_and_the_run_resumes(shakespeare, tm
 def test_a_signal_as_the_run_directory_is_written_is_undone_too(shakespeare, tmp_path, env):
     """The window the test above can hit by chance, made certain: SIGINT arrives the moment
     open_rundir returns, before launch.py has registered its undo (it printed "run directory"
-    already). The signal waits for the undo, and the new run's files are removed."""
+    already). The signal waits for the undo, and the new run's files are removed. It is sent to
+    the process, as Ctrl-C is, and given time to land while JAX's threads run (one of them takes
+    it when the main thread blocks it: a hold by signal mask alone failed here)."""
     rundir = tmp_path / "run"
-    script = ("import os, signal, sys, launch\n"
+    script = ("import os, signal, sys, time, launch\n"
               "real = launch.open_rundir\n"
               "def sent(*a, **k):\n"
               "    out = real(*a, **k)\n"
               "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(0.5)\n"
               "    return out\n"
               "launch.open_rundir = sent\n"
               "launch.main(sys.argv[1:])\n")

@@ -19,6 +19,25 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir
 
 import configs  # noqa: E402
 
+
+def refuse_fork():
+    """A library that forks this process (a multiprocessing pool: datasets' map, lm-eval's
+    bootstrap) once JAX's threads run can leave the child deadlocked on a lock one of them held,
+    and CI hanging with it: JAX only warns (from a fork hook, which cannot raise), so the tests
+    refuse such a fork instead. subprocess does not go through os.fork."""
+    fork = os.fork
+
+    def guarded():
+        if "jax" in sys.modules:
+            raise RuntimeError("a test forked the pytest process while JAX's threads run (a "
+                               "multiprocessing pool?): it can deadlock; use one process, or a "
+                               "subprocess")
+        return fork()
+    os.fork = guarded
+
+
+refuse_fork()
+
 # The quick tier (python -m pytest -m quick tests): what a researcher runs after an edit of
 # model.py, before a long run, in a minute or two (BENCHMARKS.md): the model against its numpy reference,
 # causality, KV-cache decoding against the full forward, the loss and accumulation written out, a

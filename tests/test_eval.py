@@ -62,7 +62,9 @@ def with_lm_eval(hf_dir, monkeypatch, model=None, tasks=TASKS) -> tuple[dict, di
     else:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4, device="cpu")
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), log_samples=True,
+    # bootstrap_iters=0: no standard errors, which lm-eval computes in a pool of forks of this
+    # process (see conftest's fork guard) and which no test compares
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), log_samples=True, bootstrap_iters=0,
                                   task_manager=TaskManager(include_path=str(ROOT / "tests/tasks")))
     metrics, lls = {}, {}
     for task, path in tasks.items():

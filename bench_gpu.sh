@@ -9,6 +9,7 @@
 # It needs data/shakespeare_char's bins (python data.py shakespeare_char; data/ is git-ignored, so a
 # session's device tool must carry it): run(carry=["data/shakespeare_char"],
 # command='bash bench_gpu.sh "$OUT"', timeout_s=600), then "more" in a later call if time is left.
+# tests/test_bench.py rehearses every part on a CPU with tiny models before a GPU is spent on it.
 # Writes OUT/bench.jsonl (one bench.py JSON line per measurement, each with its commit, command,
 # XLA flags and memory fraction; the "without" lines also name the fast path set aside),
 # OUT/check.log (the kernels' self-check on the GPU, against model.py and against an edit of it),
@@ -50,6 +51,7 @@ import bench
 from fused import pallas_qk_norm_rope
 
 rows, sys.argv = int(sys.argv[1]), ["bench.py", *sys.argv[2:]]
+assert hasattr(pallas_qk_norm_rope, "ROWS"), "the kernel's block size is no longer ROWS"
 pallas_qk_norm_rope.ROWS = rows  # checked against model.py at startup, as the default is
 with contextlib.redirect_stdout(io.StringIO()) as out:
     bench.main()
@@ -65,10 +67,14 @@ import bench
 from fused import fast_paths
 
 name, sys.argv = sys.argv[1], ["bench.py", *sys.argv[2:]]
-fast_paths.FAST_PATHS = [p for p in fast_paths.FAST_PATHS if p.name != name]
+kept = [p for p in fast_paths.FAST_PATHS if p.name != name]
+assert len(kept) < len(fast_paths.FAST_PATHS), f"no fast path stands in for model.{name}"
+fast_paths.FAST_PATHS = kept
 with contextlib.redirect_stdout(io.StringIO()) as out:
     bench.main()
-print(json.dumps({**json.loads(out.getvalue()), "without": name}))
+result = json.loads(out.getvalue())
+assert name not in result["kernels"], f"model.{name}'s fast path ran though set aside"
+print(json.dumps({**result, "without": name}))
 PY
 }
 

@@ -1,12 +1,15 @@
-"""bench.py prints one valid JSON line with every field, for a tiny config."""
+"""bench.py prints one valid JSON line with every field, for a tiny config; bench_gpu.sh's every
+part runs, rehearsed on the CPU."""
 import json
 import math
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import run
+from conftest import COMPILE_CACHE, PYTHONPATH, ROOT, run
 
 TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
         "--config.block_size=16", "--config.batch_size=4"]
@@ -149,3 +152,54 @@ def test_bench_refuses_a_folder_it_cannot_write_before_timing(tmp_path):
         r = run(["bench.py", *TINY, "--steps=1", "--config.max_steps=1", *args])
         assert r.returncode == 1 and r.stderr.startswith(f"error: {error}"), r.stderr
         assert len(r.stderr.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+# bench_gpu.sh's calls made tiny for a CPU: appended last, these overrides win over the script's
+# (4 heads: the script's grouped-query line has 4 key/value heads; 32 sequences: openwebtext_xl's
+# 32 microbatches)
+REHEARSAL = ["--config.n_layer=2", "--config.d_model=32", "--config.n_head=4",
+             "--config.block_size=32", "--config.batch_size=32", "--config.max_steps=2",
+             "--config.eval_interval=1", "--config.eval_batches=1", "--config.compute_dtype=float32"]
+
+
+def test_bench_gpu_sh_runs_every_part_on_the_cpu(shakespeare, tmp_path):
+    """A device is lent for minutes, rarely: bench_gpu.sh's every part is rehearsed here with tiny
+    models (a `python` on PATH appends REHEARSAL and one step to each measurement, an
+    `nvidia-smi` says one GPU), so that a renamed field, module or flag fails here and not on the
+    GPU. Every measurement gives its JSON line; each fast path is set aside once; the checks pass."""
+    from fused import fast_paths
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    tiny = " ".join(REHEARSAL)
+    (bin_dir / "python").write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = bench.py ] || { [ "$1" = - ] && [ $# -gt 1 ]; }; then\n'
+        f'  exec {sys.executable} "$@" {tiny} --steps=1\n'
+        'elif [ "$1 $2" = "-m tools.optimizer_sweep" ]; then\n'
+        f'  exec {sys.executable} "$@" {tiny} --steps=10 --seeds=2\n'
+        f'fi\nexec {sys.executable} "$@"\n')
+    (bin_dir / "nvidia-smi").write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$1" = -L ]; then echo "GPU 0: rehearsal"; else echo "name"; echo "rehearsal"; fi\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, **PYTHONPATH, **COMPILE_CACHE, "BUDGET": "1200",
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "bench_gpu.sh", str(out), "mfu", "time", "fast", "trace", "check",
+                        "more", "optim"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    broken = [line for line in lines if "failed" in line or "skipped" in line]
+    assert not broken, (broken, (out / "stderr.log").read_text()[-3000:])
+    names = {p.name for p in fast_paths.FAST_PATHS}  # attend's two: cuDNN's and the TPU's
+    assert {line.get("without") for line in lines} - {None} == names
+    assert {line.get("qk_norm_rope_rows") for line in lines} - {None} == {128, 256}
+    assert any("--xla_gpu_enable_cublaslt=true" in line.get("xla_flags", "") for line in lines)
+    assert [line["reached"] for line in lines if "target_val_loss" in line] == [False, False]
+    assert len(lines) == 3 + 1 + 6 + len(names) + 1 + 5  # mfu, time, fast, trace, more
+    check = (out / "check.log").read_text()
+    assert "edit caught" in check and " passed" in check and "failed" not in check, check
+    assert (out / "optimizers_gpu" / "README.md").is_file()

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from text import corpus
-from text import tokenization
+from text import corpus, tokenization
 from configs import Config
 from run.errors import ArgumentParser, UsageError
 
@@ -107,12 +106,10 @@ def prepare_text(out: Path, source: str, text_field: str = "text",
     n_val = round(val_fraction * len(ds)) if val_fraction else default
     n_val = min(max(1, n_val), len(ds) - 1)
     split = ds.train_test_split(test_size=n_val, seed=2357, shuffle=True)
-    # worker processes on a large corpus, half the cores; with one worker, none (datasets would
-    # still fork a pool and a manager for it)
-    nproc = min(8, (os.cpu_count() or 2) // 2) if len(ds) > 1000 else 1
-    tokens = split.map(lambda row: {"ids": encode(row[text_field])},
-                       remove_columns=ds.column_names, num_proc=nproc if nproc > 1 else None,
-                       desc="tokenizing")
+    # half the cores on a large corpus, else none (datasets forks a pool even for one worker)
+    workers = min(8, (os.cpu_count() or 2) // 2) if len(ds) > 1000 else 0
+    tokens = split.map(lambda row: {"ids": encode(row[text_field])}, remove_columns=ds.column_names,
+                       num_proc=workers if workers > 1 else None, desc="tokenizing")
 
     def chunks(part):  # the ids 8192 documents at a time, read in turn from datasets' disk cache
         return (np.concatenate(batch["ids"]) for batch in part.with_format("numpy").iter(8192))

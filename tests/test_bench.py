@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import COMPILE_CACHE, PYTHONPATH, ROOT, run
+from conftest import ROOT, run
 
 TINY = ["--config=shakespeare_char_cpu", "--config.n_layer=2", "--config.d_model=32", "--config.n_head=2",
         "--config.block_size=16", "--config.batch_size=4"]
@@ -159,14 +159,16 @@ def test_bench_refuses_a_folder_it_cannot_write_before_timing(tmp_path):
 # 32 microbatches)
 REHEARSAL = ["--config.n_layer=2", "--config.d_model=32", "--config.n_head=4",
              "--config.block_size=32", "--config.batch_size=32", "--config.max_steps=2",
-             "--config.eval_interval=1", "--config.eval_batches=1", "--config.compute_dtype=float32"]
+             "--config.eval_interval=1", "--config.eval_batches=1",
+             "--config.compute_dtype=float32"]
 
 
-def test_bench_gpu_sh_runs_every_part_on_the_cpu(shakespeare, tmp_path):
+def test_bench_gpu_sh_runs_every_part_on_the_cpu(shakespeare, tmp_path, env):
     """A device is lent for minutes, rarely: bench_gpu.sh's every part is rehearsed here with tiny
     models (a `python` on PATH appends REHEARSAL and one step to each measurement, an
     `nvidia-smi` says one GPU), so that a renamed field, module or flag fails here and not on the
-    GPU. Every measurement gives its JSON line; each fast path is set aside once; the checks pass."""
+    GPU. Every measurement gives its JSON line; each fast path is set aside once; the checks
+    pass."""
     from fused import fast_paths
 
     bin_dir = tmp_path / "bin"
@@ -185,8 +187,7 @@ def test_bench_gpu_sh_runs_every_part_on_the_cpu(shakespeare, tmp_path):
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     out = tmp_path / "out"
-    env = {**os.environ, **PYTHONPATH, **COMPILE_CACHE, "BUDGET": "1200",
-           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    env = {**env, "BUDGET": "1200", "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}"}
     r = subprocess.run(["bash", "bench_gpu.sh", str(out), "mfu", "time", "fast", "trace", "check",
                         "more", "optim"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=1200)

@@ -131,9 +131,9 @@ def test_val_split_is_a_tenth_of_the_documents_at_most_1000(tmp_path, n_docs, va
     """In a process of its own, as `python data.py` prepares: over 1000 documents, datasets' map
     forks workers on a machine of 4 cores or more, which this JAX-threaded process must not do."""
     (tmp_path / "c.txt").write_text("\n\n".join(f"d{i}" for i in range(n_docs)))
-    script = ("import sys, data; from pathlib import Path\n"
-              "data.prepare_text(Path(sys.argv[1]), sys.argv[2], val_fraction=eval(sys.argv[3]))")
-    r = run(["-c", script, str(tmp_path / "out"), str(tmp_path / "c.txt"), repr(val_fraction)])
+    script = ("import json, sys, data; from pathlib import Path\n"
+              "data.prepare_text(Path(sys.argv[1]), sys.argv[2], val_fraction=json.loads(sys.argv[3]))")
+    r = run(["-c", script, str(tmp_path / "out"), str(tmp_path / "c.txt"), json.dumps(val_fraction)])
     assert r.returncode == 0, r.stderr
     assert eot_counts(tmp_path / "out") == [n_docs - n_val, n_val]
 

@@ -75,6 +75,9 @@ def readings() -> list[tuple[str, list[str], str]]:
     return found
 
 
+READINGS = readings()
+
+
 def unbacked(text: str, sources: list[str]) -> list[str]:
     """The quotes in text that none of the sources holds."""
     singles, pairs = [], []
@@ -95,12 +98,12 @@ def unbacked(text: str, sources: list[str]) -> list[str]:
 def test_every_page_that_reads_evidence_marks_its_readings():
     """The pages whose prose quotes generated evidence, each with at least one marked reading (a
     reading whose markers were lost would go unchecked)."""
-    pages = {page for page, _, _ in readings()}
+    pages = {page for page, _, _ in READINGS}
     assert {"mup.md", "optimizers.md", "variants.md"} <= pages, pages
 
 
-@pytest.mark.parametrize("page,sources,text", readings(),
-                         ids=[f"{page}:{sources[0]}" for page, sources, _ in readings()])
+@pytest.mark.parametrize("page,sources,text", READINGS,
+                         ids=[f"{page}:{sources[0]}" for page, sources, _ in READINGS])
 def test_a_reading_quotes_only_what_its_sources_hold(page, sources, text):
     missing = unbacked(text, sources)
     assert not missing, (f"docs/{page}: the reading of {', '.join(sources)} quotes {missing}, "

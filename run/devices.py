@@ -4,7 +4,8 @@ import os
 
 # JAX preallocates 75% of a GPU's memory, and the 1.5B unrolled step ran out of it on an 80 GiB
 # H100 (BENCHMARKS.md; whether 0.9 is enough is still to be measured there). 0.9 leaves the rest
-# to the CUDA context and cuDNN/cuBLAS workspaces outside XLA's pool. Only a GPU's allocator reads it; a value the user set wins.
+# to the CUDA context and cuDNN/cuBLAS workspaces outside XLA's pool. Only a GPU's allocator reads
+# it; a value the user set wins.
 GPU_MEMORY_FRACTION = "0.9"
 
 

@@ -13,7 +13,8 @@ are not exported: the logits are the tokenizer's vocabulary, so generate never e
 id. Any checkpoint (sharded over N devices or not) is read on one CPU device.
 
 Before it writes, export runs the PyTorch model it is about to write beside model.py's forward
-(float32, on the same tokens) and refuses in one line when they differ, naming every array of
+(float32, on the same tokens; with the run's weights and with a model drawn as training starts)
+and refuses in one line when they differ, naming every array of
 model.py's GPT that no exported tensor carries: an edit of model.py that hf/modeling_mugpt.py does
 not follow is never exported as a model that silently computes something else. DIR is written
 beside itself and renamed into place at the end (--force replaces an earlier export whole, no
@@ -32,8 +33,9 @@ from etils import epath
 
 from inference.decode import in_float32
 from fused.agreement import tokens
+from params import init_gpt
 from run import reading
-from text import tokenization
+from text.tokenization import hf_tokenizer
 from configs import Config
 from run.errors import ArgumentParser, UsageError
 
@@ -48,6 +50,11 @@ DTYPES = ("float32", "bfloat16", "float16")
 # rounding through the blocks stays far below it, the edits export did not follow far above it
 # (BENCHMARKS.md); an absolute floor let an edit through in a model early in training.
 RTOL = 1e-4
+# The same check on a model drawn as training starts (another seed; its zero arrays, muP's readout
+# and MUDD's dynamic weights, drawn small): a checkpoint early in training hid an exact GELU (its
+# logits moved by 0.7e-4 of the largest), a drawn model's move by 1.4e-4 or more while float32
+# rounding stays near 1e-6, at sizes up to GPT-2 small's (BENCHMARKS.md)
+DRAWN_RTOL = 2e-5
 
 
 def check_exportable(cfg: Config) -> None:
@@ -109,43 +116,6 @@ def state_dict(model, n_vocab: int) -> tuple[dict[str, np.ndarray], set[int]]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}, read
 
 
-def hf_tokenizer(meta: dict):
-    """The dataset's tokenizer (meta.json's record) as a transformers fast tokenizer. Special
-    tokens written in a text are split as ordinary text (split_special_tokens), as
-    text/tokenization.py encodes them for training, sample.py and eval.py: one tokenization."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    tok = meta["tokenizer"]
-    if tok["kind"] == "char":  # one id per character, no merges; decoded by joining
-        vocab = {c: i for i, c in enumerate(tok["chars"])}
-        # an unknown token it has no id for: a character outside the vocabulary is refused when
-        # encoded (without one, the BPE model drops it silently)
-        unk = f"(the text holds a character outside this model's {len(vocab)} characters)"
-        core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk))
-        core.decoder = decoders.Fuse()
-        # No end-of-text character: lm-eval needs a prefix for an empty context (bos) and pads
-        # batches (never read: any id does); the first character (a newline) serves for both.
-        first = tok["chars"][0]
-        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=first, pad_token=first,
-                                       split_special_tokens=True)
-    if tok["kind"] == "hf":
-        core = tokenization.plain(Tokenizer.from_str(tok["json"]))  # as training encoded
-        eos = core.id_to_token(tok["eos"])
-        return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=eos,
-                                       split_special_tokens=True)
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    enc = tokenization.encoding(tok["encoding"])
-    converter = TikTokenConverter(pattern=enc._pat_str)
-    converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # tiktoken's own ranks
-    core = converter.converted()
-    eos = enc.decode([enc.eot_token])
-    core.add_special_tokens([eos])
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, bos_token=eos,
-                                   pad_token=eos, split_special_tokens=True)
-
-
 def check_out(out: Path, force: bool, rundir: epath.Path | None = None) -> None:
     """Before the checkpoint is read: an --out that can be written and replaced, never the run."""
     if out.exists() and not out.is_dir():
@@ -181,42 +151,68 @@ def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool =
     return step
 
 
-def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: dict) -> None:
-    """Refuses (UsageError, one line) unless hf/modeling_mugpt.py's model with these weights, in
-    float32, computes model.py's logits on a full block and a short sequence (in one pass, and
-    the last token by its KV cache as generate decodes), every array of the model is carried by an
-    exported tensor, and, in a half-precision export's dtype, its logits are finite."""
+def drawn(cfg: Config):
+    """A GPT drawn as training starts (params.init_gpt, seed + 1), in float32, its all-zero arrays
+    drawn at 0.02: every function of model.py away from where an early checkpoint's weights
+    leave it (a zero readout gives zero logits whatever the blocks compute)."""
+    model = in_float32(init_gpt(cfg, jax.random.key(cfg.seed + 1)), cfg)
+    key = jax.random.key(cfg.seed + 2)
+    nonzero = lambda x: x if x.any() else 0.02 * jax.random.normal(key, x.shape, x.dtype)
+    params, static = eqx.partition(model, eqx.is_array)  # (a tied readout's placeholder: static)
+    return eqx.combine(jax.tree.map(nonzero, params), static)
+
+
+def logit_gap(torch_model, model, V: int, block_size: int) -> tuple[float, float]:
+    """max |PyTorch - JAX| logit and max |JAX logit|, in float32, on a full block and a short
+    sequence (in one pass, and the last token by its KV cache as generate decodes)."""
+    import torch
+    from hf.modeling_mugpt import CACHE
+
+    # a new function: jit's cache, keyed by it, must not give back the trace of model.py
+    # before an edit made in this process (the tests')
+    worst, scale, forward = 0.0, 0.0, eqx.filter_jit(lambda gpt, ids_T: gpt(ids_T))
+    for T in (block_size, max(1, block_size // 4)):
+        ids_T = tokens(T, V, seed=T)  # special ids (the vocabulary's edges) among them
+        # "highest": float32 matmuls on an accelerator too (TF32 would exceed RTOL)
+        with jax.default_matmul_precision("highest"):
+            want_TV = np.asarray(forward(model, ids_T))[:, :V]
+        with torch.no_grad():
+            ids = torch.from_numpy(ids_T)[None]
+            got_TV = torch_model(ids).logits[0].numpy()
+            if T > 1:  # and its KV-cache decoding (generate's): a prefill, then one step
+                prefill = torch_model(ids[:, :-1], use_cache=True)
+                step = torch_model(ids[:, -1:], past_key_values=getattr(prefill, CACHE),
+                                   use_cache=True)
+                got_TV = np.concatenate([got_TV, step.logits[0].numpy()])
+                want_TV = np.concatenate([want_TV, want_TV[-1:]])
+        worst = max(worst, float(np.abs(got_TV - want_TV).max()))
+        scale = max(scale, float(np.abs(want_TV).max()))
+    return worst, scale
+
+
+def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: dict,
+               cfg: Config) -> None:
+    """Refuses (UsageError, one line) unless hf/modeling_mugpt.py's model computes model.py's
+    logits (logit_gap) with these weights and with those of a model drawn as training starts
+    (drawn), every array of the model is carried by an exported tensor, and, in a
+    half-precision export's dtype, its logits are finite."""
     import torch
     from hf.configuration_mugpt import MuGPTConfig
-    from hf.modeling_mugpt import CACHE, MuGPTForCausalLM
+    from hf.modeling_mugpt import MuGPTForCausalLM
 
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
     missing = [jax.tree_util.keystr(path)[1:] for path, x in leaves if id(x) not in read]
     V, block_size = config["vocab_size"], config["max_position_embeddings"]
+    fresh = drawn(cfg)
     try:
         torch_model = MuGPTForCausalLM(MuGPTConfig(**{**config, "dtype": "float32"})).eval()
-        torch_model.load_state_dict({k: torch.tensor(v) for k, v in weights.items()})
-        # a new function: jit's cache, keyed by it, must not give back the trace of model.py
-        # before an edit made in this process (the tests')
-        worst, scale, forward = 0.0, 0.0, eqx.filter_jit(lambda gpt, ids_T: gpt(ids_T))
-        for T in (block_size, max(1, block_size // 4)):
-            ids_T = tokens(T, V, seed=T)  # special ids (the vocabulary's edges) among them
-            # "highest": float32 matmuls on an accelerator too (TF32 would exceed RTOL)
-            with jax.default_matmul_precision("highest"):
-                want_TV = np.asarray(forward(model, ids_T))[:, :V]
-            with torch.no_grad():
-                ids = torch.from_numpy(ids_T)[None]
-                got_TV = torch_model(ids).logits[0].numpy()
-                if T > 1:  # and its KV-cache decoding (generate's): a prefill, then one step
-                    prefill = torch_model(ids[:, :-1], use_cache=True)
-                    step = torch_model(ids[:, -1:], past_key_values=getattr(prefill, CACHE),
-                                       use_cache=True)
-                    got_TV = np.concatenate([got_TV, step.logits[0].numpy()])
-                    want_TV = np.concatenate([want_TV, want_TV[-1:]])
-            worst = max(worst, float(np.abs(got_TV - want_TV).max()))
-            scale = max(scale, float(np.abs(want_TV).max()))
-        differs = f"max |PyTorch - JAX| logit {worst:.3g} (bound {RTOL * scale:.2g})"
-        ok = worst <= RTOL * scale
+        for what, gpt, arrays, rtol in (("a drawn model", fresh, state_dict(fresh, V)[0],
+                                         DRAWN_RTOL), ("the run's weights", model, weights, RTOL)):
+            torch_model.load_state_dict({k: torch.tensor(v) for k, v in arrays.items()})
+            worst, scale = logit_gap(torch_model, gpt, V, block_size)
+            differs = f"on {what}, max |PyTorch - JAX| logit {worst:.3g} (bound {rtol * scale:.2g})"
+            if not (ok := worst <= rtol * scale):
+                break
     except Exception as e:  # the modeling file cannot even take these weights or run
         differs, ok = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}", False
     if not ok or missing:
@@ -250,7 +246,7 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
         raise UsageError(f"export.py's state_dict cannot read model.py's GPT ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200]}): edit it and hf/modeling_mugpt.py to "
                          "follow model.py; nothing was written") from None
-    self_check(in_float32(model, cfg), weights, read, config)
+    self_check(in_float32(model, cfg), weights, read, config, cfg)
     # written beside out and renamed into place: a killed export leaves no half of one at out
     tmp, old = (out.parent / f".{out.name}.{what}-{os.getpid()}" for what in ("export", "old"))
     for stale in (tmp, old):  # a killed export's, of the same process id

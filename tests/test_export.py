@@ -402,10 +402,32 @@ def test_an_exact_gelu_is_refused_whatever_the_size_of_the_logits(readout, tmp_p
     assert_refused(f"error: {e.value}", out)
 
 
+@pytest.mark.parametrize("edit", ["exact-gelu", "soft-cap-50"])
+def test_an_edit_an_early_checkpoint_hides_is_refused(runs, edit, tmp_path, monkeypatch):
+    """A checkpoint 10 steps in (muP's readout still near its zero start): an exact GELU or a
+    soft-cap of the attention logits at 50 moves its logits by less than the bound on its own
+    weights, and it was exported, the PyTorch file computing the old math. The check on a model
+    drawn as training starts (export.drawn) sees both: refused."""
+    from test_kernels import capped_logits
+    if edit == "exact-gelu":
+        monkeypatch.setattr(definition, "gelu", lambda x: jax.nn.gelu(x, approximate=False))
+    else:
+        monkeypatch.setattr(definition, *capped_logits(50.0))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        export.main([f"--rundir={runs['fsdp4'][0]}", f"--out={out}"])
+    print(f"\n{edit}: {e.value.code}")
+    assert_refused(e.value.code, out, "on a drawn model")
+
+
 @pytest.mark.parametrize("bias", ["random", "zero"])
 def test_new_parameter_is_refused_and_named(bias, tmp_path, monkeypatch):
     """A bias that export.py does not convert: named, even while it is zero (logits equal)."""
+    import params
     monkeypatch.setattr(definition, "MLP", BiasMLP)
+    rows = params.policy_rows  # its row, as a run of it has (export draws a model as params does)
+    monkeypatch.setattr(params, "policy_rows", lambda c: {
+        **rows(c), "blocks.mlp.bias": params.Policy(0.0, 1.0, False, (None,))})
     cfg = tiny()
     gpt = definition.GPT(cfg)
     leaves, tree = jax.tree.flatten(gpt)

@@ -5,8 +5,8 @@ in the record (a run directory's dataset.json then holds it, whatever happens to
 
 Text is text: a special token written in it ("<|endoftext|>" inside a document) is encoded as
 the ordinary characters it is made of, by every kind (tiktoken's encode_ordinary, tokenizers'
-encode_special_tokens) and by export.py's tokenizer (split_special_tokens). Only data.py puts an
-end-of-text id between documents, so a document cannot end another one by what it says; a
+encode_special_tokens) and by the export's (hf_tokenizer: split_special_tokens). Only data.py puts
+an end-of-text id between documents, so a document cannot end another one by what it says; a
 tokenizer's own additions around a text (a post-processor's [CLS] ... [SEP] or <s>) are dropped
 everywhere (plain), so that data.py, sample.py, eval.py and the export encode alike."""
 from pathlib import Path
@@ -87,3 +87,40 @@ def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
         return encode, lambda ids: tok.decode(list(ids), skip_special_tokens=False)
     enc = encoding(record["encoding"])
     return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))
+
+
+def hf_tokenizer(meta: dict):
+    """The dataset's tokenizer (meta.json's record) as a transformers fast tokenizer. Special
+    tokens written in a text are split as ordinary text (split_special_tokens), as
+    text/tokenization.py encodes them for training, sample.py and eval.py: one tokenization."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tok = meta["tokenizer"]
+    if tok["kind"] == "char":  # one id per character, no merges; decoded by joining
+        vocab = {c: i for i, c in enumerate(tok["chars"])}
+        # an unknown token it has no id for: a character outside the vocabulary is refused when
+        # encoded (without one, the BPE model drops it silently)
+        unk = f"(the text holds a character outside this model's {len(vocab)} characters)"
+        core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk))
+        core.decoder = decoders.Fuse()
+        # No end-of-text character: lm-eval needs a prefix for an empty context (bos) and pads
+        # batches (never read: any id does); the first character (a newline) serves for both.
+        first = tok["chars"][0]
+        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=first, pad_token=first,
+                                       split_special_tokens=True)
+    if tok["kind"] == "hf":
+        core = plain(Tokenizer.from_str(tok["json"]))  # as training encoded
+        eos = core.id_to_token(tok["eos"])
+        return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, pad_token=eos,
+                                       split_special_tokens=True)
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    enc = encoding(tok["encoding"])
+    converter = TikTokenConverter(pattern=enc._pat_str)
+    converter.load_tiktoken_bpe = lambda _: enc._mergeable_ranks  # tiktoken's own ranks
+    core = converter.converted()
+    eos = enc.decode([enc.eot_token])
+    core.add_special_tokens([eos])
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token=eos, bos_token=eos,
+                                   pad_token=eos, split_special_tokens=True)

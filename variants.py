@@ -254,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
             for seed in seeds for variant in names]
     for _, _, rundir, run_args in runs:  # all before any trains: a refusal costs no training
         check_run(rundir, run_args, args.size)
+    from run.rundir import git_state
+    state = git_state()  # of the code the runs train with, not of an edit made meanwhile
     results = {variant: {} for variant in names}
     n, start = len(seeds) * len(names), time.monotonic()
     # every variant's first seed first: an early stop still compares them all
@@ -265,8 +267,6 @@ def main(argv: list[str] | None = None) -> None:
         train_run(rundir, run_args, args.size)
         results[variant][str(seed)] = measure(rundir, run_args)
     results = json.loads(json.dumps(results))  # the lengths' keys as the file will hold them
-    from run import rundir
-    state = rundir.git_state()
     commit = (state["commit"] or "unknown")[:7]
     out = ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)

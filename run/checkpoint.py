@@ -11,6 +11,7 @@ bytes changed inside the array data, which zstd keeps no checksum of, read as ot
 resume() sets a damaged one aside and goes back to the newest intact one; the run's record of the
 steps it saved (run/written.py's SAVED) tells a lost checkpoint from a run that never saved one.
 """
+import asyncio
 import contextlib
 import copy
 import dataclasses
@@ -457,3 +458,11 @@ def quiet_failed_saves() -> None:
             default(u)
 
     sys.unraisablehook = hook
+    # and one that ends after orbax closed its loop hands the loop its result from tensorstore's
+    # thread: the RuntimeError was printed from C++ as a traceback, past every hook (under load)
+    post = asyncio.BaseEventLoop.call_soon_threadsafe
+    if not getattr(post, "quiet", False):
+        def call_soon_threadsafe(loop, *args, **kwargs):
+            return None if loop.is_closed() else post(loop, *args, **kwargs)
+        call_soon_threadsafe.quiet = True
+        asyncio.BaseEventLoop.call_soon_threadsafe = call_soon_threadsafe

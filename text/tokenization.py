@@ -91,8 +91,8 @@ def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
 
 def hf_tokenizer(meta: dict):
     """The dataset's tokenizer (meta.json's record) as a transformers fast tokenizer. Special
-    tokens written in a text are split as ordinary text (split_special_tokens), as
-    text/tokenization.py encodes them for training, sample.py and eval.py: one tokenization."""
+    tokens written in a text are split as ordinary text (split_special_tokens), as load's
+    encoders read them for training, sample.py and eval.py: one tokenization."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 

@@ -406,7 +406,9 @@ def test_a_checkpoint_zstd_refuses_is_one_line_and_nothing_after_it(straight, tm
     rundir = tmp_path / "run"
     shutil.copytree(straight[0], rundir)
     ckpt = rundir / "checkpoints" / str(STEPS)
-    for path in (ckpt / "state").glob("ocdbt.process_*/d/*"):
+    damaged = list((ckpt / "state").glob("ocdbt.process_*/d/*"))
+    assert damaged, f"no array data file under {ckpt / 'state'}: orbax's layout changed?"
+    for path in damaged:
         data = path.read_bytes()
         path.write_bytes(bytes(b ^ 0xFF for b in data[:4]) + data[4:])
     record(epath.Path(ckpt))

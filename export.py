@@ -156,10 +156,12 @@ def drawn(cfg: Config):
     drawn at 0.02: every function of model.py away from where an early checkpoint's weights
     leave it (a zero readout gives zero logits whatever the blocks compute)."""
     model = in_float32(init_gpt(cfg, jax.random.key(cfg.seed + 1)), cfg)
-    key = jax.random.key(cfg.seed + 2)
-    nonzero = lambda x: x if x.any() else 0.02 * jax.random.normal(key, x.shape, x.dtype)
     params, static = eqx.partition(model, eqx.is_array)  # (a tied readout's placeholder: static)
-    return eqx.combine(jax.tree.map(nonzero, params), static)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(cfg.seed + 2), len(leaves))  # one each: no two alike
+    leaves = [x if x.any() else 0.02 * jax.random.normal(k, x.shape, x.dtype)
+              for x, k in zip(leaves, keys)]
+    return eqx.combine(jax.tree.unflatten(tree, leaves), static)
 
 
 def logit_gap(torch_model, model, V: int, block_size: int) -> tuple[float, float]:

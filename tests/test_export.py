@@ -420,6 +420,19 @@ def test_an_edit_an_early_checkpoint_hides_is_refused(runs, edit, tmp_path, monk
     assert_refused(e.value.code, out, "on a drawn model")
 
 
+def test_a_drawn_model_has_no_zero_array_and_no_two_alike():
+    """export.drawn, the model the check above runs on: every array nonzero (a zero one, as MUDD's
+    w2 starts, hides what it multiplies) and each a draw of its own: no two drawn arrays share
+    their leading values (one key for every zero array gave the readout and each layer's MUDD
+    w2 and b the same ones, whatever their shapes). The norms' gains, all ones, are not drawn."""
+    gpt = export.drawn(tiny(**VARIANTS["all"], n_layer=3))
+    flat = [np.asarray(x).ravel() for x in jax.tree.leaves(eqx.filter(gpt, eqx.is_array))]
+    assert all(x.any() for x in flat)
+    drawn = [x for x in flat if np.ptp(x) > 0]
+    assert len(drawn) == 15 and not [(i, j) for i, x in enumerate(drawn) for j, y in
+                                     enumerate(drawn[:i]) if np.array_equal(x[:4], y[:4])]
+
+
 @pytest.mark.parametrize("bias", ["random", "zero"])
 def test_new_parameter_is_refused_and_named(bias, tmp_path, monkeypatch):
     """A bias that export.py does not convert: named, even while it is zero (logits equal)."""

@@ -51,6 +51,9 @@ COORD_LR = 4.0  # coordinate checks at 4x the base LR: a larger LR shows a wrong
 COORD_READOUT = 1.0  # their readout N(0, 1 / d_base): model.py's zero would leave step 1 inert
 READOUT = {"sp": 1.0}  # the training runs' readout at init (init): GPT-2's SP draws it, muP's is 0
 COORD_SEQS = 4  # the batch's first sequences they read x_t on: x_0 is kept on the host until t
+# the largest relative difference at which a recomputed coordinate check is still the same code's:
+# float rounding on another CPU stays far below it, another initial draw or batch lands far above
+DRIFT = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +177,22 @@ def measure(s: dict, size: int, lrs_per_program: int | None = None):
     return {"train": windows.tolist(), "val": val[0].tolist()}
 
 
+def drift(doc: dict) -> float | None:
+    """How far the current code is from the code that made `doc`: the largest relative difference
+    between its coordinate check at the base width (every seed: the initial models, the batches,
+    the forward pass) and this code's, through the first step. None where there is nothing to
+    compare: no such result yet, or evidence made before seeds (its checks ran otherwise)."""
+    s, done = doc["settings"].get("coord_width"), doc["results"].get("coord_width", {})
+    base = s and s["config"]["d_model"]
+    old = done.get(base, done.get(str(base)))
+    if "seeds" not in doc or old is None:
+        return None
+    new = measure({**s, "steps": 1}, base)
+    pairs = [(a, b) for kind in new for name, v in new[kind].items()
+             for a, b in zip(v, old[kind][name]) if a or b]  # x_0 - x_0 is 0 in both
+    return max(abs(a - b) / abs(b) if b else float("inf") for a, b in pairs)
+
+
 def open_out(text: str, new: dict, rules_now: dict) -> tuple[Path, dict]:
     """--out, checked before any training: a writable directory and its evidence.json ({} if
     none: then a new or empty one), which must be of these settings and rules: others are
@@ -221,6 +240,13 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
     # the code that measured: this process's, before any training (the file's if nothing is left);
     # a dirty tree is labelled in the JSON and the README
     commit = rundir.git_state() if todo else {k: old[k] for k in ("commit", "dirty")}
+    # results of two codes' draws must not mix; complete evidence is marked stale in its README
+    far = drift(old) if old else None
+    stale = {"stale": {"drift": far, **rundir.git_state()}} if (far or 0) > DRIFT else {}
+    if stale and todo:
+        raise UsageError(f"--out={out} was made by other code: its coordinate check at the base "
+                         f"width differs from this code's by {far:.1e} (the initial models, the "
+                         "batches or the step changed): pick a new --out")
     start = time.monotonic()
     for done, (part, size) in enumerate(todo + [(None, None)]):  # the last writes every figure
         if part:
@@ -229,7 +255,7 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
             results.setdefault(part, {})[size] = measure(parts[part], size,
                                                          PRESETS[preset].lrs_per_program)
         doc = {"config_name": name, "overrides": overrides, "preset": preset, "seeds": seeds,
-               **commit, "rules": rules_now, "settings": parts,
+               **commit, **stale, "rules": rules_now, "settings": parts,
                "results": {p: dict(sorted(r.items())) for p, r in results.items()}}
         doc = json.loads(json.dumps(doc))  # sizes as strings, as a reread file has them
         # evidence.json first: a run stopped in between leaves a folder that open_out takes as ours

@@ -271,9 +271,13 @@ def test_docs_mup_evidence_is_current(where):
     shape) and the settings (full resolved configs, sizes, steps, seeds, LRs) that its recorded
     `python mup.py evidence` command would run now, a result for every size, and the README made
     from them: otherwise the evidence is stale, and this names what differs and the command that
-    remakes it. Evidence made before seeds (no "seeds" key) is checked against the settings that
-    code ran (one seed per sweep, coordinate checks at the training LR from a zero readout, seeds
-    sharing batches), and its README must say plainly that it has one seed per LR and no spread."""
+    remakes it. Its coordinate check at the base width, recomputed through the first step, must
+    match (mup.drift): a change to the initial draw, the batches or the step changes no rule or
+    setting; evidence that does not match must say it is stale in its README (the command, rerun
+    on it, records that). Evidence made before seeds (no "seeds" key) is checked against the
+    settings that code ran (one seed per sweep, coordinate checks at the training LR from a zero
+    readout, seeds sharing batches), and its README must say plainly that it has one seed per LR
+    and no spread."""
     doc = json.loads((ROOT / where / "evidence.json").read_text())
     preset = doc.get("preset", "cpu")
     command = " ".join(["python mup.py evidence", f"--out={where}", f"--preset={preset}",
@@ -299,6 +303,13 @@ def test_docs_mup_evidence_is_current(where):
     assert not stale, f"{where} is stale ({', '.join(stale)} differ): {command}"
     missing = [(p, s) for p, v in now.items() for s in v["sizes"] if str(s) not in doc["results"].get(p, {})]
     assert not missing, f"{where} lacks {missing}: rerun {command} to finish it"
+    if "seeds" in doc:  # the rules and settings alone miss a change to the draws or the step
+        far = mup.drift(doc)
+        assert "stale" in doc or far <= mup.DRIFT, (
+            f"{where} is stale (its coordinate check at the base width differs from the current "
+            f"code's by {far:.1e}): remake it with {command} in a new folder, or rerun that "
+            "command to say so in its README")
+        assert "stale" not in doc or far > mup.DRIFT, f"{where} is marked stale but is not: rerun {command}"
     assert (ROOT / where / "README.md").read_text() == plots.readme(doc)
 
 
@@ -383,7 +394,8 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
     assert "lr_width" in partial and "256" not in partial["lr_width"]
     capsys.readouterr()
     mup.main([*args, f"--out={out}"])
-    assert len(done) == n - sum(map(len, partial.values())) and "sizes left" in capsys.readouterr().out
+    left = n - sum(map(len, partial.values()))  # and once the base width's check (mup.drift)
+    assert len(done) == left + 1 and "sizes left" in capsys.readouterr().out
     again = json.loads((out / "evidence.json").read_text())
     assert again["results"] == whole["results"] and again["settings"] == whole["settings"]
 
@@ -455,6 +467,35 @@ def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path
     readme = (tmp_path / "README.md").read_text()
     assert "--preset=tiny" in readme and "| 32 | " in readme and "| 64 | " in readme
     assert readme == plots.readme(doc) and "one seed per LR" not in readme
+
+
+def test_evidence_of_other_draws_is_refused_a_resume_and_said_stale_once_complete(tmp_path, monkeypatch):
+    """A change to the initial draw or the step changes no rule or setting: an --out whose
+    coordinate check at the base width this code does not reproduce (beyond float rounding) is
+    refused a resume, which would mix two codes' results, and left as it was; complete, the same
+    command says in its README that it is stale, and takes that back once the code matches."""
+    monkeypatch.setattr(mup, "measure", fake_measure([]))
+    args, path = ["evidence", f"--out={tmp_path}"], tmp_path / "evidence.json"
+    mup.main([*args, "--parts=coord_width"])
+    doc = json.loads(path.read_text())
+    made = doc["results"]["coord_width"]["128"]["x"]["q"][1]
+    doc["results"]["coord_width"]["128"]["x"]["q"][1] = made * 1.01  # the code that made it stepped otherwise
+    path.write_text(json.dumps(doc))
+    before = {f: f.read_bytes() for f in tmp_path.iterdir()}
+    with pytest.raises(SystemExit, match="^" + re.escape(
+            f"error: --out={tmp_path} was made by other code: its coordinate check at the base width "
+            "differs from this code's by 9.9e-03 (the initial models, the batches or the step changed): pick")):
+        mup.main(args)
+    assert {f: f.read_bytes() for f in tmp_path.iterdir()} == before
+    mup.main([*args, "--parts=coord_width"])  # nothing left to measure: the check alone
+    marked = json.loads(path.read_text())
+    assert marked["stale"]["drift"] == pytest.approx(0.01 / 1.01)
+    assert "**Stale: the code at commit " in (tmp_path / "README.md").read_text()
+    marked["results"]["coord_width"]["128"]["x"]["q"][1] = made * (1 + mup.DRIFT / 10)  # rounding
+    path.write_text(json.dumps(marked))
+    mup.main([*args, "--parts=coord_width"])
+    assert "stale" not in json.loads(path.read_text())
+    assert "Stale" not in (tmp_path / "README.md").read_text()
 
 
 @pytest.mark.parametrize("args, error", [(["--config.n_layers=2"], "unknown config field 'n_layers'; did you mean n_layer"),

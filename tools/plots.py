@@ -387,6 +387,13 @@ def readme(doc: dict) -> str:
     if doc["dirty"]:
         lines += ["**Made from a tree with uncommitted changes: the commit alone does not "
                   "reproduce it.**", ""]
+    if stale := doc.get("stale"):
+        dirty = " with uncommitted changes" * bool(stale["dirty"])
+        lines += [f"**Stale: the code at commit {stale['commit'] or 'unknown'}{dirty} draws or "
+                  "steps otherwise.** Its coordinate check at the base width differs from this "
+                  f"one by {stale['drift']:.1e} (relative): the initial models, the batches or the "
+                  "step changed after this was made. The numbers below are the code's of the "
+                  "commit above; remake with the command above and a new --out.", ""]
     if legacy:
         lines += ["**Made before seeds: one seed per LR; no spread.** Each LR sweep ran one "
                   "initial model on one batch order, so no optimum below has an error bar and no "

@@ -177,17 +177,23 @@ def measure(s: dict, size: int, lrs_per_program: int | None = None):
     return {"train": windows.tolist(), "val": val[0].tolist()}
 
 
+def draws(s: dict) -> dict:
+    """The coordinate check `s` at the base width through its first step, every seed: what the
+    initial models, the batches and one step give. evidence.json records it at its first run."""
+    return measure({**s, "steps": 1}, s["config"]["d_model"])
+
+
 def drift(doc: dict) -> float | None:
     """How far the current code is from the code that made `doc`: the largest relative difference
-    between its coordinate check at the base width (every seed: the initial models, the batches,
-    the forward pass) and this code's, through the first step. None where there is nothing to
-    compare: no such result yet, or evidence made before seeds (its checks ran otherwise)."""
+    between its draws (or, in evidence made before they were recorded, its coordinate check at
+    the base width) and this code's. None where there is nothing to compare: no such result yet,
+    or evidence made before seeds (its checks ran otherwise)."""
     s, done = doc["settings"].get("coord_width"), doc["results"].get("coord_width", {})
     base = s and s["config"]["d_model"]
-    old = done.get(base, done.get(str(base)))
+    old = doc.get("draws") or done.get(base, done.get(str(base)))
     if "seeds" not in doc or old is None:
         return None
-    new = measure({**s, "steps": 1}, base)
+    new = draws(s)
     pairs = [(a, b) for kind in new for name, v in new[kind].items()
              for a, b in zip(v, old[kind][name]) if a or b]  # x_0 - x_0 is 0 in both
     return max(abs(a - b) / abs(b) if b else float("inf") for a, b in pairs)
@@ -242,6 +248,7 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
     commit = rundir.git_state() if todo else {k: old[k] for k in ("commit", "dirty")}
     # results of two codes' draws must not mix; complete evidence is marked stale in its README
     far = drift(old) if old else None
+    drawn = old.get("draws") if old else "coord_width" in parts and draws(parts["coord_width"])
     stale = {"stale": {"drift": far, **rundir.git_state()}} if (far or 0) > DRIFT else {}
     if stale and todo:
         raise UsageError(f"--out={out} was made by other code: its coordinate check at the base "
@@ -255,7 +262,8 @@ def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text:
             results.setdefault(part, {})[size] = measure(parts[part], size,
                                                          PRESETS[preset].lrs_per_program)
         doc = {"config_name": name, "overrides": overrides, "preset": preset, "seeds": seeds,
-               **commit, **stale, "rules": rules_now, "settings": parts,
+               **commit, **stale, **({"draws": drawn} if drawn else {}), "rules": rules_now,
+               "settings": parts,
                "results": {p: dict(sorted(r.items())) for p, r in results.items()}}
         doc = json.loads(json.dumps(doc))  # sizes as strings, as a reread file has them
         # evidence.json first: a run stopped in between leaves a folder that open_out takes as ours

@@ -378,7 +378,7 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
     monkeypatch.setattr(mup, "measure", fake_measure(done))
     mup.main([*args, f"--out={tmp_path / 'whole'}"])
     n = sum(len(s["sizes"]) for s in mup.settings(configs.load("shakespeare_char_cpu")).values())
-    assert len(done) == n
+    assert len(done) == n + 1  # and the draws, once (mup.draws)
     whole = json.loads((tmp_path / "whole" / "evidence.json").read_text())
     assert whole["results"]["lr_width"]["64"][0][-1] is None
     readme = (tmp_path / "whole" / "README.md").read_text()
@@ -394,7 +394,7 @@ def test_evidence_resumes_and_keeps_results_of_other_settings(tmp_path, monkeypa
     assert "lr_width" in partial and "256" not in partial["lr_width"]
     capsys.readouterr()
     mup.main([*args, f"--out={out}"])
-    left = n - sum(map(len, partial.values()))  # and once the base width's check (mup.drift)
+    left = n - sum(map(len, partial.values()))  # and the draws, checked (mup.drift)
     assert len(done) == left + 1 and "sizes left" in capsys.readouterr().out
     again = json.loads((out / "evidence.json").read_text())
     assert again["results"] == whole["results"] and again["settings"] == whole["settings"]
@@ -470,16 +470,17 @@ def test_the_tiny_preset_runs_the_whole_command_on_the_cpu(shakespeare, tmp_path
 
 
 def test_evidence_of_other_draws_is_refused_a_resume_and_said_stale_once_complete(tmp_path, monkeypatch):
-    """A change to the initial draw or the step changes no rule or setting: an --out whose
-    coordinate check at the base width this code does not reproduce (beyond float rounding) is
-    refused a resume, which would mix two codes' results, and left as it was; complete, the same
-    command says in its README that it is stale, and takes that back once the code matches."""
+    """A change to the initial draw or the step changes no rule or setting: an --out whose draws
+    (its first run's coordinate check at the base width through step 1, whatever --parts) this
+    code does not reproduce beyond float rounding is refused a resume, which would mix two codes'
+    results, and left as it was; its parts done, the same command says in the README that it is
+    stale, and takes that back once the code matches."""
     monkeypatch.setattr(mup, "measure", fake_measure([]))
     args, path = ["evidence", f"--out={tmp_path}"], tmp_path / "evidence.json"
-    mup.main([*args, "--parts=coord_width"])
+    mup.main([*args, "--parts=lr_width"])
     doc = json.loads(path.read_text())
-    made = doc["results"]["coord_width"]["128"]["x"]["q"][1]
-    doc["results"]["coord_width"]["128"]["x"]["q"][1] = made * 1.01  # the code that made it stepped otherwise
+    made = doc["draws"]["x"]["q"][1]
+    doc["draws"]["x"]["q"][1] = made * 1.01  # the code that made it stepped otherwise
     path.write_text(json.dumps(doc))
     before = {f: f.read_bytes() for f in tmp_path.iterdir()}
     with pytest.raises(SystemExit, match="^" + re.escape(
@@ -487,13 +488,13 @@ def test_evidence_of_other_draws_is_refused_a_resume_and_said_stale_once_complet
             "differs from this code's by 9.9e-03 (the initial models, the batches or the step changed): pick")):
         mup.main(args)
     assert {f: f.read_bytes() for f in tmp_path.iterdir()} == before
-    mup.main([*args, "--parts=coord_width"])  # nothing left to measure: the check alone
+    mup.main([*args, "--parts=lr_width"])  # nothing left to measure: the check alone
     marked = json.loads(path.read_text())
     assert marked["stale"]["drift"] == pytest.approx(0.01 / 1.01)
     assert "**Stale: the code at commit " in (tmp_path / "README.md").read_text()
-    marked["results"]["coord_width"]["128"]["x"]["q"][1] = made * (1 + mup.DRIFT / 10)  # rounding
+    marked["draws"]["x"]["q"][1] = made * (1 + mup.DRIFT / 10)  # rounding
     path.write_text(json.dumps(marked))
-    mup.main([*args, "--parts=coord_width"])
+    mup.main([*args, "--parts=lr_width"])
     assert "stale" not in json.loads(path.read_text())
     assert "Stale" not in (tmp_path / "README.md").read_text()
 

@@ -113,9 +113,9 @@ def test_a_reading_quotes_only_what_its_sources_hold(page, sources, text):
 def test_the_check_refuses_a_number_the_source_lacks():
     """The checker itself, on one line of docs/mup/README.md: its pair, rounded, passes; a spread
     changed in its last digit, a mean from another row and a lone number absent fail."""
-    line = "drift -0.10 ± 0.72 grid steps"
+    line = "drift -2.08 ± 0.36 grid steps"
     assert unbacked(line, ["mup/README.md"]) == []
-    assert unbacked("drift -0.1 ± 0.7", ["mup/README.md"]) == []
-    assert unbacked("drift -0.10 ± 0.73", ["mup/README.md"]) == ["-0.10 ± 0.73"]
-    assert unbacked("drift -2.21 ± 0.72", ["mup/README.md"]) == ["-2.21 ± 0.72"]
+    assert unbacked("drift -2.1 ± 0.4", ["mup/README.md"]) == []
+    assert unbacked("drift -2.08 ± 0.37", ["mup/README.md"]) == ["-2.08 ± 0.37"]
+    assert unbacked("drift -1.92 ± 0.36", ["mup/README.md"]) == ["-1.92 ± 0.36"]
     assert unbacked("a slope of 9.876", ["mup/README.md"]) == ["9.876"]

@@ -12,9 +12,10 @@ steps on one batch at COORD_LR x the config's LR, from a nonzero readout (flat i
 in depth under CompleteP). LR sweeps: the validation loss per LR and seed (muP's best LR should
 stay put, SP's move; README.md says what the seeds resolve). Curves: the train loss at the base LR.
 DIR/evidence.json holds the git commit (and whether the tree was dirty), the rules' fingerprint
-(rules()), each part's settings (its full resolved config too) and results, written after each
-size: the same command resumes; an --out of other settings, or of files but no evidence.json, is
-refused. README.md and the figures come from the JSON (tools/plots.py), every claim there computed
+(rules()), the draws (draws(): what the initial models, batches and one step give), each part's
+settings (its full resolved config too) and results, written after each size: the same command
+resumes; an --out of other settings, of other draws (drift()), or of files but no evidence.json,
+is refused, and complete evidence of other draws is marked stale. README.md and the figures come from the JSON (tools/plots.py), every claim there computed
 with its threshold."""
 import argparse
 import dataclasses

@@ -15,15 +15,13 @@ DIR/evidence.json holds the git commit (and whether the tree was dirty), the rul
 (rules()), the draws (draws(): what the initial models, batches and one step give), each part's
 settings (its full resolved config too) and results, written after each size: the same command
 resumes; an --out of other settings, of other draws (drift()), or of files but no evidence.json,
-is refused, and complete evidence of other draws is marked stale. README.md and the figures come from the JSON (tools/plots.py), every claim there computed
-with its threshold."""
+is refused, and complete evidence of other draws is marked stale. README.md and the figures come
+from the JSON (tools/plots.py), every claim there computed with its threshold."""
 import argparse
 import dataclasses
 import json
 import signal
-import tempfile
 import time
-from pathlib import Path
 
 import equinox as eqx
 import numpy as np
@@ -200,45 +198,11 @@ def drift(doc: dict) -> float | None:
     return max(abs(a - b) / abs(b) if b else float("inf") for a, b in pairs)
 
 
-def open_out(text: str, new: dict, rules_now: dict) -> tuple[Path, dict]:
-    """--out, checked before any training: a writable directory and its evidence.json ({} if
-    none: then a new or empty one), which must be of these settings and rules: others are
-    refused, never overwritten."""
-    out, path = Path(text), Path(text, "evidence.json")
-    try:
-        if not text or path.is_dir():
-            raise IsADirectoryError(0, "empty" if not text else f"{path.name} is a directory")
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.NamedTemporaryFile(dir=out).close()  # a probe: made and removed
-    except OSError as e:
-        raise UsageError(f"--out={out if text else ''} cannot be written ({e.strerror or e}): "
-                         "pick another directory") from None
-    if not path.exists():
-        # a folder of other files (notes, or --out=. in the repo) is not evidence's: our README.md
-        # would overwrite theirs. Hidden ones are ignored: none is overwritten, and a write killed
-        # midway leaves its temporary (.NAME.PID.EXT, plots.write_atomic)
-        if any(not p.name.startswith(".") for p in out.iterdir()):
-            raise UsageError(f"--out={out} holds files but no {path.name}: "
-                             "pick an empty or new folder, or one that mup.py evidence wrote")
-        return out, {}
-    try:
-        old = json.loads(path.read_text())
-        differ = plots.differences(old["settings"], new) + ["rules"] * (old["rules"] != rules_now)
-        why = f"other settings ({', '.join(differ[:4])}{' ...' * (len(differ) > 4)} differ)"
-        old["results"] = {p: {int(k): v for k, v in r.items()} for p, r in old["results"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not evidence's
-        differ, why = True, "unrecorded settings"
-    if differ:
-        raise UsageError(f"--out={out} holds {path.name} of {why}: "
-                         "pick another --out or delete the file")
-    return out, old
-
-
 def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text: str,
              now: tuple[str, ...] = tuple(PARTS)) -> None:
     """Every size of the parts `now` not yet in DIR/evidence.json; the files after each."""
     parts, rules_now = settings(evidence_config(name, preset, overrides), preset, seeds), rules()
-    out, old = open_out(out_text, parts, rules_now)
+    out, old = plots.open_out(out_text, parts, rules_now)
     results = old.get("results", {})
     missing = [(p, size) for p, s in parts.items() for size in s["sizes"]
                if size not in results.get(p, {})]

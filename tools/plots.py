@@ -3,15 +3,18 @@ and README.md, whose every number is read from the JSON and whose every claim is
 its numbers pass the threshold stated beside it: a 95% interval over seeds for the drifts and the
 loss comparisons; one sd over seeds for "Wider is better?" (each wider width's mean against the
 narrower's, by the larger of their sds), a weaker test, said in its section. Each file written
-whole. Evidence made before seeds (no "seeds" key) is read too; its README says what it lacks."""
+whole. Evidence made before seeds (no "seeds" key) is read too; its README says what it lacks.
+open_out checks the folder before mup.py trains for it."""
 import copy
+import json
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from run.errors import ArgumentParser, RunError
+from run.errors import ArgumentParser, RunError, UsageError
 
 TITLES = {"mup": "muP + CompleteP", "sp": "SP", "spmodel": "model.py's SP",
           "nodepth": "muP, depth rules off"}
@@ -495,6 +498,40 @@ def write(out: Path, doc: dict, part: str) -> None:
         plot = lambda p: curves(p, steps, train, f"{title}, LR {s['lrs'][0]:g}")
     write_atomic(out / f"{part}.png", plot)
     write_atomic(out / "README.md", lambda p: p.write_text(readme(raw)))
+
+
+def open_out(text: str, new: dict, rules_now: dict) -> tuple[Path, dict]:
+    """--out, checked before any training: a writable directory and its evidence.json ({} if
+    none: then a new or empty one), which must be of these settings and rules: others are
+    refused, never overwritten."""
+    out, path = Path(text), Path(text, "evidence.json")
+    try:
+        if not text or path.is_dir():
+            raise IsADirectoryError(0, "empty" if not text else f"{path.name} is a directory")
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=out).close()  # a probe: made and removed
+    except OSError as e:
+        raise UsageError(f"--out={out if text else ''} cannot be written ({e.strerror or e}): "
+                         "pick another directory") from None
+    if not path.exists():
+        # a folder of other files (notes, or --out=. in the repo) is not evidence's: our README.md
+        # would overwrite theirs. Hidden ones are ignored: none is overwritten, and a write killed
+        # midway leaves its temporary (.NAME.PID.EXT, write_atomic)
+        if any(not p.name.startswith(".") for p in out.iterdir()):
+            raise UsageError(f"--out={out} holds files but no {path.name}: "
+                             "pick an empty or new folder, or one that mup.py evidence wrote")
+        return out, {}
+    try:
+        old = json.loads(path.read_text())
+        differ = differences(old["settings"], new) + ["rules"] * (old["rules"] != rules_now)
+        why = f"other settings ({', '.join(differ[:4])}{' ...' * (len(differ) > 4)} differ)"
+        old["results"] = {p: {int(k): v for k, v in r.items()} for p, r in old["results"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not evidence's
+        differ, why = True, "unrecorded settings"
+    if differ:
+        raise UsageError(f"--out={out} holds {path.name} of {why}: "
+                         "pick another --out or delete the file")
+    return out, old
 
 
 def differences(old: dict, new: dict, prefix: str = "") -> list[str]:

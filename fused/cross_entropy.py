@@ -43,7 +43,8 @@ def _forward(z_TV, mult, y_T):
 def _backward(mult, residuals, g_T):
     z_TV, lse_T, y_T = residuals
     p_TV = jnp.exp(mult * z_TV.astype(jnp.float32) - lse_T[:, None])  # the softmax
-    onehot_TV = jnp.arange(z_TV.shape[-1]) == y_T[:, None]
+    V = z_TV.shape[-1]  # a negative target counts from the end, as take_along_axis reads it
+    onehot_TV = jnp.arange(V) == jnp.where(y_T < 0, y_T + V, y_T)[:, None]
     dz_TV = (mult * g_T[:, None] * (p_TV - onehot_TV)).astype(z_TV.dtype)
     return dz_TV, None  # y: integers, no gradient
 

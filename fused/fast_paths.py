@@ -279,7 +279,9 @@ def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
 
 def draw(d: Drawn, key: jax.Array, V: int) -> jax.Array:
     """Values for an argument. Integers are token ids (the loss's targets), drawn over the whole
-    vocabulary V with its edges (agreement.edge_ids: special tokens) first in each row."""
+    vocabulary V with its edges (agreement.edge_ids: special tokens) and -1 first in each row:
+    an edit that masks the loss at a negative target (an ignore index) must show, and
+    take_along_axis reads -1 as V - 1, which the fused loss does too."""
     if jnp.issubdtype(d.dtype, jnp.floating):
         return jax.random.normal(key, d.shape, d.dtype)
     if jnp.issubdtype(d.dtype, jax.dtypes.prng_key):  # a dropout key, say
@@ -287,7 +289,7 @@ def draw(d: Drawn, key: jax.Array, V: int) -> jax.Array:
     if d.dtype == jnp.bool_:
         return jax.random.bernoulli(key, 0.5, d.shape)
     ids = jax.random.randint(key, d.shape, 0, V, d.dtype)
-    edges = jnp.array(edge_ids(V)[:d.shape[-1] if d.shape else 0], d.dtype)
+    edges = jnp.array(([-1] + edge_ids(V))[:d.shape[-1] if d.shape else 0], d.dtype)
     return ids.at[..., :len(edges)].set(edges) if d.shape else ids
 
 
@@ -357,6 +359,8 @@ def mismatch(fast: Callable, reference: Callable, arrays: tuple, call: Callable,
             for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
                 if a.shape != b.shape:
                     return f"its {part} has shape {a.shape}, model.py's {b.shape}"
+                if a.dtype != b.dtype:
+                    return f"its {part} has dtype {a.dtype}, model.py's {b.dtype}"
                 error = error_of(a, b)
                 if not error <= tolerance:
                     at = "" if scale == 1 else f", inputs drawn at {scale:g} times the normal"
@@ -475,7 +479,7 @@ FAST_PATHS = [
     FastPath("attend", "cuDNN flash attention", cudnn_attend, cudnn_applies),
     FastPath("attend", "splash attention", splash_attend, splash_applies),
     FastPath("qk_norm_rope", "the Pallas QK-norm + RoPE kernel", fused_qk_norm_rope,
-             qk_norm_rope_applies),
+             qk_norm_rope_applies, float32_too=True),
     FastPath("gelu", "the recomputing GELU", recomputing_gelu, gelu_applies),
     FastPath("cross_entropy", "the fused readout cross-entropy", fused_cross_entropy.cross_entropy,
              cross_entropy_applies, per_position=True, float32_too=True),

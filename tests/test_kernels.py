@@ -253,6 +253,16 @@ def norm_eps(eps):
     return "layer_norm", layer_norm
 
 
+def ignore_negative():
+    """model.cross_entropy with no loss where the target is negative (an ignore index, for
+    padding): the check's targets hold -1."""
+    plain = M.cross_entropy
+
+    def cross_entropy(h_TD, unembed_VD, mult, y_T):
+        return jnp.where(y_T < 0, 0.0, plain(h_TD, unembed_VD, mult, jnp.maximum(y_T, 0)))
+    return "cross_entropy", cross_entropy
+
+
 def z_loss(weight):
     """model.cross_entropy plus PaLM's z-loss, weight * log-sum-exp^2 (Chowdhery et al. 2022)."""
     plain = M.cross_entropy
@@ -266,21 +276,36 @@ def z_loss(weight):
 @pytest.mark.parametrize("edit,kernel", [
     (capped_logits(50.0), "cuDNN flash attention"), (windowed(15), "cuDNN flash attention"),
     (norm_eps(1e-3), "the Pallas QK-norm + RoPE kernel"),
-    (z_loss(1e-4), "the fused readout cross-entropy")],
-    ids=["soft-cap-50", "window-15-of-16", "layer-norm-eps-1e-3", "z-loss-1e-4"])
+    (norm_eps(5e-6), "the Pallas QK-norm + RoPE kernel"),  # at a head dim of 64 (GPT-2's)
+    (z_loss(1e-4), "the fused readout cross-entropy"),
+    (ignore_negative(), "the fused readout cross-entropy")],
+    ids=["soft-cap-50", "window-15-of-16", "layer-norm-eps-1e-3", "layer-norm-eps-5e-6",
+         "z-loss-1e-4", "ignore-index-minus-1"])
 def test_an_edit_that_bfloat16_rounding_would_hide_sets_its_kernel_aside(monkeypatch, capsys,
                                                                          edit, kernel):
-    """In bfloat16, edits whose effect is below the rounding where the inputs are of size 1, or at
-    a few positions only: a soft-cap far above the logits, a window that cuts the oldest key of
-    the last position, a QK-norm epsilon of 1e-3, a z-loss term. The check compares outputs
-    position by position at several scales, and sets aside the kernel that would run without
-    the edit; the others stay fused."""
+    """In bfloat16, edits whose effect is below the rounding where the inputs are of size 1, at a
+    few positions or values only: a soft-cap far above the logits, a window that cuts the oldest
+    key of the last position, a QK-norm epsilon of 1e-3 (and of 5e-6, below bfloat16's rounding:
+    the check's float32 pass), a z-loss term, no loss at a negative target. The check compares
+    outputs position by position at several scales, and sets aside the kernel that would run
+    without the edit; the others stay fused."""
     fast_paths = every_kernel(monkeypatch)
     monkeypatch.setattr(M, *edit)
-    fast = fast_paths.select(tiny(compute_dtype="bfloat16"))
+    fast = fast_paths.select(tiny(compute_dtype="bfloat16", d_model=128))
     err = capsys.readouterr().err
     assert f"kernels: {kernel} set aside" in err, err
     assert len(fast) == 3, err
+
+
+def test_a_fast_path_that_returns_another_dtype_is_not_model_pys():
+    """Equal values in another dtype (an edit that drops a cast back to bfloat16 keeps every value
+    the check compares) are another function: the next layer computes in that dtype."""
+    from fused import fast_paths
+    x = jax.random.normal(jax.random.key(0), (4, 8), jnp.bfloat16)
+    call = lambda fn, scale, x: fn(x * scale.astype(x.dtype))  # noqa: E731
+    same = fast_paths.mismatch(lambda x: x * 1, lambda x: x, (x,), call, 3e-2)
+    wider = fast_paths.mismatch(lambda x: x.astype(jnp.float32), lambda x: x, (x,), call, 3e-2)
+    assert (same, wider) == (None, "its output has dtype float32, model.py's bfloat16")
 
 
 @pytest.mark.parametrize("token", ["last", "first"])
@@ -431,7 +456,8 @@ def test_a_kernel_whose_batching_mixes_sequences_is_set_aside_on_one_device(monk
 def cross_entropy_written_out(h, w, mult, y):
     """Each position's -log softmax(mult h w^T)[y] and the gradients of their sum with respect to h
     and w (the softmax minus the one-hot target, times mult, through the matmul): numpy, float64,
-    h (B, T, D), w (V, D), y (B, T)."""
+    h (B, T, D), w (V, D), y (B, T); a negative target counts from the end, as in numpy's indexing."""
+    y = np.where(y < 0, y + w.shape[0], y)
     x = mult * h @ w.T
     top = x.max(-1, keepdims=True)
     lse = top[..., 0] + np.log(np.exp(x - top).sum(-1))
@@ -449,7 +475,7 @@ def test_the_fused_cross_entropy_is_the_cross_entropy_written_out(dtype, toleran
     B, T, D, V, mult = 3, 8, 16, 65, 0.5
     keys = jax.random.split(jax.random.key(0), 3)
     h, w = (jax.random.normal(k, shape, dtype) for k, shape in zip(keys, [(B, T, D), (V, D)]))
-    y = jax.random.randint(keys[2], (B, T), 0, V)
+    y = jax.random.randint(keys[2], (B, T), 0, V).at[:, 0].set(-1)  # as take_along_axis: V - 1
     want = cross_entropy_written_out(np.asarray(h, np.float64), np.asarray(w, np.float64), mult,
                                      np.asarray(y))
     for fn in (fused.cross_entropy, M.cross_entropy):

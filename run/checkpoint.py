@@ -81,11 +81,14 @@ def saved_steps(rundir: epath.Path) -> list[int]:
 
 @jax.jit
 def fingerprints(tree) -> list[jax.Array]:
-    """Per array: [all finite (0 or 1), sum of its bit patterns, sum weighted by position], the
-    sums as uint32 (mod 2**32). Integer sums are exact in any order, so the result is the same
-    however the array is sharded (a checkpoint may be restored on another device count). A change
-    of one element changes the first sum; the second catches elements swapped or changed together.
-    Computed where the arrays are, from the arrays themselves: the checkpoint is not read again."""
+    """Per array: [all finite (0 or 1), sum of its bit patterns, sum weighted by position, sum of
+    each element's bits and position hashed], the sums as uint32 (mod 2**32). Integer sums are
+    exact in any order, so the result is the same however the array is sharded (a checkpoint may
+    be restored on another device count). A change of one element changes the first sum; the
+    second catches elements swapped or changed together; both are linear, so changes that cancel
+    in them (two sign flips: each adds 2**31 times an odd number) show in the third, whose hash
+    (murmur3's finaliser) spreads every element's change over the whole word. Computed where the
+    arrays are, from the arrays themselves: the checkpoint is not read again."""
     def one(x):
         if x.dtype == jnp.bool_:
             bits = x.astype(jnp.uint32)
@@ -95,13 +98,22 @@ def fingerprints(tree) -> list[jax.Array]:
         position = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape)
         finite = jnp.isfinite(x).all() if jnp.issubdtype(x.dtype, jnp.inexact) else True
         return jnp.stack([jnp.uint32(finite), bits.sum(dtype=jnp.uint32),
-                          (bits * (2 * position + 1)).sum(dtype=jnp.uint32)])
+                          (bits * (2 * position + 1)).sum(dtype=jnp.uint32),
+                          mixed(bits ^ (position * jnp.uint32(0x9E3779B9))).sum(dtype=jnp.uint32)])
 
     return [one(x) for x in jax.tree.leaves(tree)]
 
 
+def mixed(h: jax.Array) -> jax.Array:
+    """murmur3's 32-bit finaliser (Appleby): each input bit flips about half the output's."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
 def checksums(state: dict) -> dict[str, list[int]]:
-    """{"model.blocks.mlp.up": [finite, sum, weighted sum], ...} of a state's arrays, fetched."""
+    """{"model.blocks.mlp.up": [finite, sum, weighted sum, hashed sum], ...} of a state's arrays,
+    fetched."""
     names = list(shapes(state))
     return dict(zip(names, (v.tolist() for v in jax.device_get(fingerprints(state))),
                     strict=True))
@@ -118,7 +130,9 @@ def verify(step: int, state: dict, saved: dict | None) -> None:
         print(f"note: the checkpoint of step {step} has no checksums (saved by an older mugpt): "
               "its arrays are checked for finite values only", file=sys.stderr)
         saved = now
-    bad = next(iter(nonfinite + [n for n in now if now[n] != saved.get(n)]), None)
+    # a checkpoint saved before the hashed sum holds three numbers an array: those are compared
+    differs = [n for n in now if n not in saved or now[n][:len(saved[n])] != saved[n]]
+    bad = next(iter(nonfinite + differs), None)
     if bad is None:
         return
     jax.tree.map(lambda x: x.delete(), state)

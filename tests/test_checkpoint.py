@@ -613,11 +613,21 @@ def test_gs_run_directory_without_gcsfs_is_one_line(shakespeare, env):
 
 
 def test_fingerprints_are_the_sums_of_the_bit_patterns():
-    """Against numpy's sums of the same bits (uint64, then mod 2**32), for float32, bfloat16,
-    int32 and bool arrays: the same numbers, and a change of one element or a swap of two changes
-    them. (The same on N devices: test_checkpoint_restores_onto_another_mesh restores, and so
-    checks, on 2 devices what 8 saved and on 8 what 2 saved.)"""
+    """Against numpy's sums of the same bits (uint64, then mod 2**32) and of murmur3's finaliser
+    of them (written out from its reference, uint64 arithmetic mod 2**32), for float32, bfloat16,
+    int32 and bool arrays: the same numbers; a change of one element or a swap of two changes
+    them, and changes the linear sums cannot see (the array negated, two sign flips, 2**30 added
+    to four neighbours' bits) change the hashed one. (The same on N devices:
+    test_checkpoint_restores_onto_another_mesh restores, and so checks, on 2 devices what 8 saved
+    and on 8 what 2 saved.)"""
     from run.checkpoint import fingerprints
+
+    def fmix32(h):  # MurmurHash3.cpp's fmix32
+        h = h ^ (h >> 16)
+        h = (h * 0x85EBCA6B) % 2**32
+        h = h ^ (h >> 13)
+        h = (h * 0xC2B2AE35) % 2**32
+        return h ^ (h >> 16)
 
     rng = np.random.default_rng(0)
     arrays = [rng.normal(size=(6, 8)).astype(np.float32),
@@ -633,7 +643,9 @@ def test_fingerprints_are_the_sums_of_the_bit_patterns():
         weights = 2 * np.arange(bits.size, dtype=np.uint64) + 1
         finite = np.isfinite(x).all() if np.issubdtype(x.dtype, np.inexact) or \
             x.dtype == jnp.bfloat16 else True
-        return [int(finite), int(bits.sum() % 2**32), int((bits * weights).sum() % 2**32)]
+        keyed = bits ^ ((np.arange(bits.size, dtype=np.uint64) * 0x9E3779B9) % 2**32)
+        return [int(finite), int(bits.sum() % 2**32), int((bits * weights).sum() % 2**32),
+                int(fmix32(keyed).sum() % 2**32)]
 
     expected = [numpy_sums(x) for x in arrays]
     assert [v.tolist() for v in fingerprints(arrays)] == expected
@@ -642,8 +654,28 @@ def test_fingerprints_are_the_sums_of_the_bit_patterns():
     swapped[[0, 1]] = swapped[[1, 0]]
     for other in (changed, swapped):
         s = fingerprints([other])[0].tolist()
-        assert s[1:] != expected[0][1:]
+        assert s[1:3] != expected[0][1:3] and s[3] != expected[0][3]
+    flipped, raised = arrays[0].copy(), arrays[0].view(np.uint32).copy()
+    flipped[0, :2] *= -1
+    raised[1, :4] += np.uint32(2**30)
+    for other in (-arrays[0], flipped, raised.view(np.float32)):
+        s = fingerprints([other])[0].tolist()
+        assert s[1:3] == expected[0][1:3] and s[3] != expected[0][3]  # linear sums blind
     assert expected[-1][0] == 0  # inf: not finite
+
+
+def test_a_checkpoint_of_three_numbers_an_array_is_verified_on_them(capsys):
+    """A checkpoint saved before the hashed sum records [finite, sum, weighted sum] an array: it
+    restores when those agree (upgrading never sets a run's checkpoints aside) and is damaged
+    when one differs."""
+    from run.checkpoint import Damaged, checksums, verify
+
+    state = {"w": jnp.arange(6.0)}
+    old = {k: v[:3] for k, v in checksums(state).items()}
+    verify(7, state, old)
+    old["w"][2] += 1
+    with pytest.raises(Damaged, match="step 7 is damaged: its array w differs"):
+        verify(7, {"w": jnp.arange(6.0)}, old)
 
 
 def test_launch_without_space_for_the_first_checkpoint_is_refused_before_writing(

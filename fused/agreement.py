@@ -82,10 +82,11 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
     GPT.readout_inputs, which GPT.loss reads through model.cross_entropy (training's loss, and the
     fused one is checked against it): on a random readout of the run's shapes at each of SCALES.
     An edit in GPT.logits alone (a final soft-cap) would train one model and sample another: a
-    UsageError. Edits of model.cross_entropy are the loss's own, and train; one line says which
-    kind: a loss of the readout's softmax alone (label smoothing: the same logits shifted by a
-    constant give the same loss) trains the model sampling reads, while one that reads more of
-    the logits (a soft-cap, or a z-loss that belongs in train.loss_fn's objective) may not."""
+    UsageError. Edits of model.cross_entropy (or of GPT.loss) are the loss's own, and train; one
+    line says so, and for model.cross_entropy which kind: a loss of the readout's softmax alone
+    (label smoothing: the same logits shifted by a constant give the same loss) trains the model
+    sampling reads, while one that reads more of the logits (a soft-cap, or a z-loss that
+    belongs in train.loss_fn's objective) may not."""
     shapes = eqx.filter_eval_shape(model.GPT, cfg, fast)
     params, static = eqx.partition(shapes, lambda x: isinstance(x, jax.ShapeDtypeStruct))
     T, dtype = min(cfg.block_size, 8), jnp.dtype(cfg.compute_dtype)
@@ -108,6 +109,7 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
                    jnp.pad(unembed_VD, ((0, 0), (0, 1)), constant_values=1 / gpt.readout_mult))
         return (jnp.isfinite(want).all(), row_error(gpt.logits(x_TD), want),
                 row_error(model.cross_entropy(*inputs, y_T), plain_T),
+                row_error(gpt.loss(x_TD, y_T), model.cross_entropy(*inputs, y_T)),
                 row_error(model.cross_entropy(*shifted, gpt.readout_mult, y_T),
                           model.cross_entropy(h_TD, unembed_VD, gpt.readout_mult, y_T)))
 
@@ -115,7 +117,8 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
     # and it runs as one program, not op by op (jax.ensure_compile_time_eval) at every start.
     compiled = both.lower(np.float32(1)).compile()
     for scale in SCALES:  # the parameters' (the stream is normed before the readout)
-        finite, error, loss_error, shift_error = map(np.asarray, compiled(np.float32(scale)))
+        finite, error, loss_error, method_error, shift_error = map(np.asarray,
+                                                                   compiled(np.float32(scale)))
         if not finite:  # a readout that overflows (alpha_out=1e39): the run's steps are
             continue  # non-finite, which train.py reports; nothing to compare
         if not error <= TOLERANCE[cfg.compute_dtype]:
@@ -125,6 +128,12 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
                              "in model.readout")
         if scale == SCALES[0] and not loss_error <= TOLERANCE[cfg.compute_dtype]:
             say_the_loss_is_its_own(loss_error, shift_error <= TOLERANCE["float32"])
+        if scale == SCALES[0] and not method_error <= TOLERANCE[cfg.compute_dtype]:
+            note(f"note: model.GPT.loss is not model.cross_entropy of GPT.readout_inputs (they "
+                 f"differ by {method_error:.3g} relative): training optimises and logs it as "
+                 "loss/ (not a plain cross-entropy's); a term on the logits belongs in "
+                 "train.loss_fn's objective, so loss/ stays the cross-entropy, and a change to "
+                 "the cross-entropy in model.cross_entropy")
 
 
 def say_the_loss_is_its_own(error: float, of_the_softmax: bool) -> None:
@@ -140,5 +149,10 @@ def say_the_loss_is_its_own(error: float, of_the_softmax: bool) -> None:
                 "(a soft-cap) trains a model that sampling, eval.py and the export do not read: "
                 "make it in model.readout; a term on the logits (a z-loss) belongs in "
                 "train.loss_fn's objective, so loss/ stays the cross-entropy")
+    note(head + tail)
+
+
+def note(line: str) -> None:
+    """To stderr, by process 0."""
     if jax.process_index() == 0:
-        print(head + tail, file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)

@@ -567,6 +567,25 @@ def test_a_loss_that_is_not_the_readouts_cross_entropy_is_said(monkeypatch, caps
     assert said in notes[0], notes
 
 
+def test_a_loss_edited_in_gpt_loss_is_said(monkeypatch, capsys):
+    """A z-loss written in GPT.loss, beside the readout, rather than in train.loss_fn's objective:
+    it trains, and is logged as loss/, so one line at the start says that loss/ is not the
+    cross-entropy (the check of model.cross_entropy alone passed it). Unedited, nothing is said."""
+    fast_paths = every_kernel(monkeypatch)
+    fast_paths.select(tiny())
+    assert "note: " not in capsys.readouterr().err
+    plain = M.GPT.loss
+
+    def loss(self, x_TD, y_T):
+        return plain(self, x_TD, y_T) + 1e-2 * jnp.square(jax.nn.logsumexp(self.logits(x_TD), -1))
+
+    monkeypatch.setattr(M.GPT, "loss", loss)
+    fast_paths.select(tiny())
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and notes[0].startswith(
+        "note: model.GPT.loss is not model.cross_entropy of GPT.readout_inputs"), notes
+
+
 def test_a_loss_that_takes_the_logits_leaves_the_fused_cross_entropy_unused(monkeypatch, capsys):
     """train.loss_fn edited as the README's z-loss, from model.logits rather than model.loss: the
     self-check traces the loss as edited, says the fused cross-entropy is unused, and fuses the rest."""

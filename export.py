@@ -12,12 +12,12 @@ architecture variants (docs/variants.md, any combination). The model's padded vo
 are not exported: the logits are the tokenizer's vocabulary, so generate never emits a padding
 id. Any checkpoint (sharded over N devices or not) is read on one CPU device.
 
-Before it writes, export runs the PyTorch model it is about to write beside model.py's forward
-(float32, on the same tokens; with the run's weights and with a model drawn as training starts)
-and refuses in one line when they differ, naming every array of model.py's GPT that no exported
-tensor carries: an edit of model.py that hf/modeling_mugpt.py does not follow is never exported
-as a model that silently computes something else. DIR is written
-beside itself and renamed into place at the end (--force replaces an earlier export whole, no
+Before DIR is in place, export loads what it wrote as a user would (from_pretrained) and runs it
+beside model.py's forward (hf/check.py: float32, on the same tokens, generate's inputs too; with
+the run's weights and with models drawn as training starts) and refuses in one line when they
+differ, naming every array of model.py's GPT that no exported tensor carries: an edit of
+model.py that hf/modeling_mugpt.py does not follow is never exported as a model that silently
+computes something else. DIR is written beside itself and renamed into place at the end (--force replaces an earlier export whole, no
 other folder): an interrupted export leaves no half-written DIR. Needs requirements-export.txt
 (torch, transformers, safetensors)."""
 import argparse
@@ -27,35 +27,24 @@ import sys
 from pathlib import Path
 
 import equinox as eqx
-import jax
 import numpy as np
 from etils import epath
 
-from inference.decode import in_float32
-from fused.agreement import tokens
-from params import init_gpt
+from inference.decode import plain_gpt
+from hf.check import self_check
 from run import reading
 from text.tokenization import hf_tokenizer
 from configs import Config
 from run.errors import ArgumentParser, UsageError
 
 ROOT = Path(__file__).resolve().parent
+HF = ROOT / "hf"  # the modeling files an export carries (and its self-check loads from there)
 # The Config fields of the architecture variants (docs/variants.md) and the values
 # hf/modeling_mugpt.py implements: a fork that adds a value gets a one-line refusal, not a model
 # that silently computes something else
 SUPPORTED = {"attention": ("mha", "sharedkv"), "position": ("rope", "alibi"),
              "connections": ("residual", "mudd")}
 DTYPES = ("float32", "bfloat16", "float16")
-# The self-check's bound on |PyTorch - JAX| logits, relative to the largest logit alone: float32
-# rounding through the blocks stays far below it, the edits export did not follow far above it
-# (BENCHMARKS.md); an absolute floor let an edit through in a model early in training.
-RTOL = 1e-4
-# The same check on a model drawn as training starts (another seed; its zero arrays, muP's readout
-# and MUDD's dynamic weights, drawn small), with a tighter bound: early in training the readout is
-# still near zero and hides what the blocks compute, so an edit moved a checkpoint's logits less
-# than RTOL allows; on a drawn model float32 rounding stays an order of magnitude below this
-# bound and the edits that slipped through sit well above it (figures: BENCHMARKS.md)
-DRAWN_RTOL = 2e-5
 
 
 def check_exportable(cfg: Config) -> None:
@@ -152,88 +141,6 @@ def export(rundir: epath.Path, out: Path, step: int | None = None, force: bool =
     return step
 
 
-def drawn(cfg: Config):
-    """A GPT drawn as training starts (params.init_gpt, seed + 1), in float32, its all-zero arrays
-    drawn at 0.02: every function of model.py away from where an early checkpoint's weights
-    leave it (a zero readout gives zero logits whatever the blocks compute)."""
-    model = in_float32(init_gpt(cfg, jax.random.key(cfg.seed + 1)), cfg)
-    params, static = eqx.partition(model, eqx.is_array)  # (a tied readout's placeholder: static)
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(cfg.seed + 2), len(leaves))  # one each: no two alike
-    leaves = [x if x.any() else 0.02 * jax.random.normal(k, x.shape, x.dtype)
-              for x, k in zip(leaves, keys)]
-    return eqx.combine(jax.tree.unflatten(tree, leaves), static)
-
-
-def logit_gap(torch_model, model, V: int, block_size: int) -> tuple[float, float]:
-    """max |PyTorch - JAX| logit and max |JAX logit|, in float32, on a full block and a short
-    sequence (in one pass, and the last token by its KV cache as generate decodes)."""
-    import torch
-    from hf.modeling_mugpt import CACHE
-
-    # a new function: jit's cache, keyed by it, must not give back the trace of model.py
-    # before an edit made in this process (the tests')
-    worst, scale, forward = 0.0, 0.0, eqx.filter_jit(lambda gpt, ids_T: gpt(ids_T))
-    for T in (block_size, max(1, block_size // 4)):
-        ids_T = tokens(T, V, seed=T)  # special ids (the vocabulary's edges) among them
-        # "highest": float32 matmuls on an accelerator too (TF32 would exceed RTOL)
-        with jax.default_matmul_precision("highest"):
-            want_TV = np.asarray(forward(model, ids_T))[:, :V]
-        with torch.no_grad():
-            ids = torch.from_numpy(ids_T)[None]
-            got_TV = torch_model(ids).logits[0].numpy()
-            if T > 1:  # and its KV-cache decoding (generate's): a prefill, then one step
-                prefill = torch_model(ids[:, :-1], use_cache=True)
-                step = torch_model(ids[:, -1:], past_key_values=getattr(prefill, CACHE),
-                                   use_cache=True)
-                got_TV = np.concatenate([got_TV, step.logits[0].numpy()])
-                want_TV = np.concatenate([want_TV, want_TV[-1:]])
-        worst = max(worst, float(np.abs(got_TV - want_TV).max()))
-        scale = max(scale, float(np.abs(want_TV).max()))
-    return worst, scale
-
-
-def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: dict,
-               cfg: Config) -> None:
-    """Refuses (UsageError, one line) unless hf/modeling_mugpt.py's model computes model.py's
-    logits (logit_gap) with these weights and with those of a model drawn as training starts
-    (drawn), every array of the model is carried by an exported tensor, and, in a
-    half-precision export's dtype, its logits are finite."""
-    import torch
-    from hf.configuration_mugpt import MuGPTConfig
-    from hf.modeling_mugpt import MuGPTForCausalLM
-
-    leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
-    missing = [jax.tree_util.keystr(path)[1:] for path, x in leaves if id(x) not in read]
-    V, block_size = config["vocab_size"], config["max_position_embeddings"]
-    fresh = drawn(cfg)
-    try:
-        torch_model = MuGPTForCausalLM(MuGPTConfig(**{**config, "dtype": "float32"})).eval()
-        for what, gpt, arrays, rtol in (("a drawn model", fresh, state_dict(fresh, V)[0],
-                                         DRAWN_RTOL), ("the run's weights", model, weights, RTOL)):
-            torch_model.load_state_dict({k: torch.tensor(v) for k, v in arrays.items()})
-            worst, scale = logit_gap(torch_model, gpt, V, block_size)
-            differs = f"on {what}, max |PyTorch - JAX| logit {worst:.3g} (bound {rtol * scale:.2g})"
-            if not (ok := worst <= rtol * scale):
-                break
-    except Exception as e:  # the modeling file cannot even take these weights or run
-        differs, ok = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}", False
-    if not ok or missing:
-        carried = f"; model.py arrays no exported tensor carries: {', '.join(missing)}"
-        raise UsageError("hf/modeling_mugpt.py with the converted weights does not follow "
-                         f"model.py: {differs}{carried if missing else ''}; edit "
-                         "hf/modeling_mugpt.py (and export.py's state_dict) to follow model.py; "
-                         "nothing was written")
-    if config["dtype"] != "float32":  # as saved: float16 overflows past 65504
-        with torch.no_grad():
-            ids = torch.from_numpy(tokens(block_size, V, seed=block_size))[None]
-            half = torch_model.to(getattr(torch, config["dtype"]))(ids).logits
-        if not torch.isfinite(half).all():
-            raise UsageError(f"in {config['dtype']} the exported model's logits are not finite "
-                             "(in float32 they are): export with --dtype=bfloat16 or float32; "
-                             "nothing was written")
-
-
 def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> None:
     """The HF directory of a model.py GPT with its config and dataset record (meta.json's), after
     self_check; out, if there, is replaced whole."""
@@ -249,8 +156,8 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
         raise UsageError(f"export.py's state_dict cannot read model.py's GPT ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200]}): edit it and hf/modeling_mugpt.py to "
                          "follow model.py; nothing was written") from None
-    self_check(in_float32(model, cfg), weights, read, config, cfg)
-    # written beside out and renamed into place: a killed export leaves no half of one at out
+    # written beside out, checked there and renamed into place: a killed export leaves no half of
+    # one at out
     tmp, old = (out.parent / f".{out.name}.{what}-{os.getpid()}" for what in ("export", "old"))
     for stale in (tmp, old):  # a killed export's, of the same process id
         shutil.rmtree(stale, ignore_errors=True)
@@ -260,9 +167,10 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
         safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
         MuGPTConfig(**config).save_pretrained(tmp)
         for name in ("configuration_mugpt.py", "modeling_mugpt.py"):
-            shutil.copy(ROOT / "hf" / name, tmp / name)
+            shutil.copy(HF / name, tmp / name)
         tokenizer.model_max_length = cfg.block_size
         tokenizer.save_pretrained(tmp)
+        self_check(plain_gpt(model, cfg), weights, read, config, cfg, tmp, state_dict)
         if out.exists():  # moved aside, not merged into: no file of the old export survives
             out.rename(old)
         tmp.rename(out)

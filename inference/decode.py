@@ -40,24 +40,30 @@ def extend(model: GPT, cache: KVCache, tokens_T: jax.Array, start) -> tuple[jax.
     return model.hidden(tokens_T, start, cache)
 
 
-def in_float32(model: GPT, cfg: Config) -> GPT:
-    """The same arrays in a GPT that computes in float32 with model.py's functions alone (no fast
+def plain_gpt(model: GPT, cfg: Config, dtype: str = "float32") -> GPT:
+    """The same arrays in a GPT that computes in dtype with model.py's functions alone (no fast
     path): the reference of check_cache and of export.py's self-check."""
-    skeleton = eqx.filter_eval_shape(GPT, dataclasses.replace(cfg, compute_dtype="float32"))
+    skeleton = eqx.filter_eval_shape(GPT, dataclasses.replace(cfg, compute_dtype=dtype))
     return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
 
 
 @eqx.filter_jit
 def cached_against_full(model: GPT, tokens_S: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Whether the full forward's logits over S tokens are finite, and how far decoding's are from
-    them (row_error): a prefill of S - 1 tokens into a cache of S, then one step at the last
-    position, as generate runs them. In one program: the start of every run calls it."""
-    S = tokens_S.shape[0]
+    them (row_error), as generate runs them: a prefill of S - 1 tokens into a cache of S, then one
+    step at the last position; and a prefill of p = S // 2 tokens, the later positions padded
+    with 0, then one step at p: a step must read the cache up to its own position only, which at
+    the last position every mask does (one aligned to the last key, as is_causal may be, lets an
+    inner step read the padding). In one program: the start of every run calls it."""
+    S, p = tokens_S.shape[0], tokens_S.shape[0] // 2
+    want_SV = model(tokens_S)
     x_SD, cache = extend(model, empty_cache(model, S), tokens_S.at[-1].set(0), 0)
     x_1D, _ = extend(model, cache, tokens_S[-1:], S - 1)
+    _, inner = extend(model, empty_cache(model, S), tokens_S.at[p:].set(0), 0)
+    x_pD, _ = extend(model, inner, tokens_S[p:p + 1], p)
     got_SV = jnp.concatenate([model.logits(x_SD[:-1]), model.logits(x_1D)])
-    want_SV = model(tokens_S)
-    return jnp.isfinite(want_SV).all(), row_error(got_SV, want_SV)  # position by position
+    return jnp.isfinite(want_SV).all(), jnp.maximum(  # position by position
+        row_error(got_SV, want_SV), row_error(model.logits(x_pD), want_SV[p:p + 1]))
 
 
 def check_cache(model: GPT, cfg: Config, S: int) -> None:
@@ -67,19 +73,21 @@ def check_cache(model: GPT, cfg: Config, S: int) -> None:
     model than the one trained. One sequence of S tokens (special ids among them: a document mask
     after an end-of-text must reach decoding too), the model's arrays computed in float32,
     matmuls at full precision: bfloat16's and a fused kernel's rounding, compounded over the
-    layers, would hide a small difference or make one up."""
+    layers, would hide a small difference or make one up. Then in the run's compute dtype, at its
+    tolerance, as sampling runs: an edit that branches on the dtype shows there only."""
     tokens_S = jnp.asarray(tokens(S, cfg.vocab_size))  # special tokens among them
-    with jax.default_matmul_precision("float32"):
-        finite, error = map(float, cached_against_full(in_float32(model, cfg), tokens_S))
-    if not finite:  # the model's own logits overflow: nothing to compare
-        return
-    if not error <= TOLERANCE["float32"]:
-        raise UsageError(f"decoding with a KV cache does not give the model's own logits (they "
-                         f"differ by {error:.3g} relative over {S} tokens): an edit of model.py "
-                         "reaches its forward but not GPT.hidden with a cache (a mask made where "
-                         "attend's mask_TS is None, positions that ignore start, SharedKV's keys "
-                         "changed in Attention.project: the cache branch of Attention.__call__ "
-                         "uses the values as keys); make both follow it")
+    for dtype in dict.fromkeys(["float32", cfg.compute_dtype]):
+        with jax.default_matmul_precision("float32" if dtype == "float32" else None):
+            finite, error = map(float, cached_against_full(plain_gpt(model, cfg, dtype), tokens_S))
+        if finite and not error <= TOLERANCE[dtype]:  # not finite: overflow, nothing to compare
+            in_dtype = "" if dtype == "float32" else f" in {dtype}"
+            raise UsageError(f"decoding with a KV cache does not give the model's own logits (they "
+                             f"differ by {error:.3g} relative over {S} tokens{in_dtype}): an edit "
+                             "of model.py reaches its forward but not GPT.hidden with a cache (a "
+                             "mask made where attend's mask_TS is None, positions that ignore "
+                             "start, SharedKV's keys changed in Attention.project: the cache "
+                             "branch of Attention.__call__ uses the values as keys); make both "
+                             "follow it")
 
 
 def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: int,

@@ -15,6 +15,7 @@ import pytest
 from etils import epath
 
 import export
+from hf import check
 import model as definition
 from inference import decode
 from run import reading
@@ -361,19 +362,85 @@ def test_edited_trained_model_is_refused_in_one_line(runs, edit, tmp_path, monke
     assert_refused(e.value.code, out)
 
 
-def test_a_modeling_file_whose_cached_decoding_differs_is_refused(tmp_path, monkeypatch):
-    """hf/modeling_mugpt.py's KV-cache path (generate's) edited apart from its full forward: each
-    cached step rotated as position 0. Its one-pass logits still equal model.py's; the self-check
-    also decodes the last token by the cache, and refuses (it checked the one pass alone)."""
-    from hf.modeling_mugpt import MuGPTForCausalLM
-    import torch
-    plain = MuGPTForCausalLM.forward
+def edited_modeling_file(tmp_path, monkeypatch, code: str) -> None:
+    """export.py's modeling files from a copy of hf/ whose modeling_mugpt.py ends with code: the
+    edit is in the file the export writes and loads, as a researcher's would be."""
+    hf = tmp_path.parent / f"{tmp_path.name}-hf"  # beside tmp_path: the test's out is in it
+    shutil.copytree(export.HF, hf, dirs_exist_ok=True)
+    (hf / "modeling_mugpt.py").write_text((export.HF / "modeling_mugpt.py").read_text() + code)
+    monkeypatch.setattr(export, "HF", hf)
 
-    def forward(self, input_ids, *args, past_key_values=None, **kwargs):
-        if past_key_values is not None and past_key_values.get_seq_length():
-            kwargs["position_ids"] = torch.zeros_like(input_ids)
-        return plain(self, input_ids, *args, past_key_values=past_key_values, **kwargs)
-    monkeypatch.setattr(MuGPTForCausalLM, "forward", forward)
+
+CACHED_STEP_AT_0 = """
+_plain_forward = MuGPTForCausalLM.forward
+
+
+def _forward(self, input_ids, *args, past_key_values=None, **kwargs):
+    if past_key_values is not None and past_key_values.get_seq_length():
+        kwargs["position_ids"] = torch.zeros_like(input_ids)
+    return _plain_forward(self, input_ids, *args, past_key_values=past_key_values, **kwargs)
+
+
+MuGPTForCausalLM.forward = _forward
+"""
+# A buffer made in __init__ and not saved (persistent=False, as Hugging Face's RoPE keeps its
+# inv_freq): from_pretrained builds the model without running that __init__'s arithmetic
+UNSAVED_BUFFER = """
+_plain_init, _plain_forward = MuGPTForCausalLM.__init__, MuGPTForCausalLM.forward
+
+
+def _init(self, config):
+    _plain_init(self, config)
+    self.register_buffer("logit_gain", torch.full((), 1.0), persistent=False)
+
+
+def _forward(self, *args, **kwargs):
+    out = _plain_forward(self, *args, **kwargs)
+    out.logits = out.logits * self.logit_gain
+    return out
+
+
+MuGPTForCausalLM.__init__, MuGPTForCausalLM.forward = _init, _forward
+"""
+
+
+# Position interpolation (RoPE's positions halved) followed where the forward makes its default
+# positions only: generate and lm-eval pass position_ids made from the attention mask
+HALF_DEFAULT_POSITIONS = """
+_plain_forward = MuGPTForCausalLM.forward
+
+
+def _forward(self, input_ids, attention_mask=None, position_ids=None, cache=None,
+             past_key_values=None, **kwargs):
+    known = cache if cache is not None else past_key_values
+    past = known.get_seq_length() if known is not None else 0
+    if position_ids is None:
+        B, T = input_ids.shape
+        position_ids = (torch.arange(past, past + T) * 0.5)[None].expand(B, T)
+    return _plain_forward(self, input_ids, attention_mask, position_ids, cache, past_key_values,
+                          **kwargs)
+
+
+MuGPTForCausalLM.forward = _forward
+"""
+
+
+@pytest.mark.parametrize("code", [CACHED_STEP_AT_0, UNSAVED_BUFFER, HALF_DEFAULT_POSITIONS],
+                         ids=["cached-step-at-0", "unsaved-buffer", "half-default-positions"])
+def test_an_edited_modeling_file_that_differs_is_refused(code, tmp_path, monkeypatch):
+    """hf/modeling_mugpt.py edited apart from model.py, the export refused and nothing written: its
+    KV-cache path (generate's) rotating each cached step as position 0 (its one-pass logits still
+    model.py's; the self-check also decodes the last token by the cache); a gain on the logits
+    kept in a buffer that is not saved, right in the class as built (a check of the class passed
+    it) and not as from_pretrained loads it (the self-check loads the folder written); and
+    model.py's RoPE positions halved, followed by the modeling file for default positions only
+    (the self-check also runs generate's inputs, a left-padded row beside a full one)."""
+    if code is HALF_DEFAULT_POSITIONS:
+        from layers import positions
+        plain_table = positions.rope_table
+        monkeypatch.setattr(positions, "rope_table",
+                            lambda pos_T, K, base: plain_table(pos_T * 0.5, K, base))
+    edited_modeling_file(tmp_path, monkeypatch, code)
     cfg = tiny()
     leaves, tree = jax.tree.flatten(definition.GPT(cfg))
     keys = jax.random.split(jax.random.key(0), len(leaves))
@@ -402,17 +469,26 @@ def test_an_exact_gelu_is_refused_whatever_the_size_of_the_logits(readout, tmp_p
     assert_refused(f"error: {e.value}", out)
 
 
-@pytest.mark.parametrize("edit", ["exact-gelu", "soft-cap-50"])
+@pytest.mark.parametrize("edit", ["exact-gelu", "soft-cap-50", "rms-norm-eps-1e-5"])
 def test_an_edit_an_early_checkpoint_hides_is_refused(runs, edit, tmp_path, monkeypatch):
     """A checkpoint 10 steps in (muP's readout still near its zero start): an exact GELU or a
     soft-cap of the attention logits at 50 moves its logits by less than the bound on its own
     weights, and it was exported, the PyTorch file computing the old math. The check on a model
-    drawn as training starts (export.drawn) sees both: refused."""
+    drawn as training starts (check.drawn) sees both: refused. An epsilon of 1e-5 for 1e-6 in
+    RMSNorm (LLaMA's value) hides on the drawn model too; the drawn model with every array at
+    1/64 shows it. (The QK-norm's does not show there: its queries and keys at 1/64 make the
+    softmax uniform whatever the epsilon.)"""
     from test_kernels import capped_logits
     if edit == "exact-gelu":
         monkeypatch.setattr(definition, "gelu", lambda x: jax.nn.gelu(x, approximate=False))
-    else:
+    elif edit == "soft-cap-50":
         monkeypatch.setattr(definition, *capped_logits(50.0))
+    else:
+        def rms_norm(x_TD, gain_D):
+            x = x_TD.astype(jnp.float32)
+            y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5)
+            return (y if gain_D is None else y * gain_D).astype(x_TD.dtype)
+        monkeypatch.setattr(definition, "rms_norm", rms_norm)
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as e:
         export.main([f"--rundir={runs['fsdp4'][0]}", f"--out={out}"])
@@ -421,11 +497,11 @@ def test_an_edit_an_early_checkpoint_hides_is_refused(runs, edit, tmp_path, monk
 
 
 def test_a_drawn_model_has_no_zero_array_and_no_two_alike():
-    """export.drawn, the model the check above runs on: every array nonzero (a zero one, as MUDD's
+    """check.drawn, the model the check above runs on: every array nonzero (a zero one, as MUDD's
     w2 starts, hides what it multiplies) and each a draw of its own: no two drawn arrays share
     their leading values (one key for every zero array gave the readout and each layer's MUDD
     w2 and b the same ones, whatever their shapes). The norms' gains, all ones, are not drawn."""
-    gpt = export.drawn(tiny(**VARIANTS["all"], n_layer=3))
+    gpt = check.drawn(tiny(**VARIANTS["all"], n_layer=3))
     flat = [np.asarray(x).ravel() for x in jax.tree.leaves(eqx.filter(gpt, eqx.is_array))]
     assert all(x.any() for x in flat)
     drawn = [x for x in flat if np.ptp(x) > 0]

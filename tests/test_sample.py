@@ -16,6 +16,7 @@ import sample
 from inference import decode
 import train
 from conftest import document_mask_after_end_of_text, run as run_process, tiny
+from run.errors import UsageError
 from test_model import random_gpt
 
 N_VOCAB = 65  # shakespeare_char's characters; the model pads its vocabulary to 128
@@ -278,13 +279,27 @@ def positions_without_start(monkeypatch):
                         + table_TD[:tokens_T.shape[0]])
 
 
+def mask_aligned_to_the_last_key(monkeypatch):
+    """model.attend's causal mask for T queries over S keys aligned to the last key (as
+    FlashAttention 2.1 and is_causal may align it), the mask passed in ignored: right for the full
+    forward (T = S) and for a step at the cache's last position, wrong for a step before it,
+    which then reads the padding after its own position."""
+    plain = M.attend
+
+    def attend(q_THK, k_SGK, v_SGK, scale, mask_TS=None, bias_HTS=None):
+        T, S = q_THK.shape[0], k_SGK.shape[0]
+        return plain(q_THK, k_SGK, v_SGK, scale, jnp.tril(jnp.ones((T, S), bool), S - T), bias_HTS)
+    monkeypatch.setattr(M, "attend", attend)
+
+
 def document_mask_at_the_last_id(monkeypatch):
     document_mask_after_end_of_text(monkeypatch, N_VOCAB - 1)
 
 
 @pytest.mark.parametrize("edit", [window_in_the_default_mask, positions_without_start,
-                                  document_mask_at_the_last_id],
-                         ids=["window-in-attend", "positions-in-embed", "document-mask"])
+                                  document_mask_at_the_last_id, mask_aligned_to_the_last_key],
+                         ids=["window-in-attend", "positions-in-embed", "document-mask",
+                              "mask-aligned-to-the-last-key"])
 def test_an_edit_decoding_does_not_follow_is_refused(run_dir, monkeypatch, capsys, edit):
     """Edits of model.py that training and the full forward take and KV-cache decoding does
     not: sample.py refuses in one line (it sampled another model than the trained one, silently);
@@ -301,7 +316,24 @@ def test_an_edit_decoding_does_not_follow_is_refused(run_dir, monkeypatch, capsy
 
 
 def test_the_cache_check_passes_an_unedited_model_in_bfloat16():
-    """check_cache runs the model's arrays in float32: a bfloat16 model (random, 4 layers, every
-    gain random) that decodes as it trains is not refused for its rounding."""
+    """check_cache runs the model's arrays in float32, then in bfloat16 at its tolerance: a
+    bfloat16 model (random, 4 layers, every gain random) that decodes as it trains is not refused
+    for its rounding."""
     cfg = tiny(compute_dtype="bfloat16", n_layer=4, norm_gain=True)
     decode.check_cache(random_gpt(cfg), cfg, cfg.block_size)
+
+
+def test_an_edit_for_bfloat16_alone_is_refused_in_a_bfloat16_run(monkeypatch):
+    """model.attend taking a shortcut in bfloat16 (jax.nn.dot_product_attention, causal from
+    position 0, the mask passed in dropped): the float32 check cannot see it; the run's own dtype
+    does, and the refusal says so."""
+    plain = M.attend
+
+    def attend(q_THK, k_SGK, v_SGK, scale, mask_TS=None, bias_HTS=None):
+        if q_THK.dtype == jnp.bfloat16:
+            return jax.nn.dot_product_attention(q_THK, k_SGK, v_SGK, scale=scale, is_causal=True)
+        return plain(q_THK, k_SGK, v_SGK, scale, mask_TS, bias_HTS)
+    monkeypatch.setattr(M, "attend", attend)
+    cfg = tiny(compute_dtype="bfloat16")
+    with pytest.raises(UsageError, match=r"differ by \S+ relative over 16 tokens in bfloat16\)"):
+        decode.check_cache(random_gpt(cfg), cfg, cfg.block_size)

@@ -85,8 +85,8 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
     """Refuses (UsageError, one line) unless the model written in folder, loaded as its user loads
     it (from_pretrained, its own modeling file: a buffer made in __init__ but not saved is what
     that makes of it, not what the class makes), computes model.py's logits (logit_gap) with
-    these weights and with those of a model drawn as training starts (drawn; and its arrays at
-    1/64), every array of the model is carried by an exported tensor, and, in a half-precision
+    these weights and with those of a model drawn as training starts (drawn; and its arrays but
+    the gains at 1/64), every array of the model is carried by an exported tensor, and, in a half-precision
     export's dtype, its logits are finite."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -95,15 +95,18 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
     missing = [jax.tree_util.keystr(path)[1:] for path, x in leaves if id(x) not in read]
     V, block_size = config["vocab_size"], config["max_position_embeddings"]
     fresh = drawn(cfg)
-    # every array at 1/64: activations far below 1, where a norm's epsilon (1e-5 for model.py's
-    # 1e-6) shows; at the drawn scale it is below the bound
-    small = jax.tree.map(lambda x: x / 64 if eqx.is_array(x) else x, fresh)
+    # every array but the norms' gains at 1/64: the stream, queries and keys far below 1, where a
+    # norm's epsilon (1e-5 for model.py's 1e-6) shows (at the drawn scale it is below the bound);
+    # the gains keep attention's logits near 1 (all at 1/64 made its softmax uniform)
+    small = jax.tree_util.tree_map_with_path(
+        lambda path, x: x if not eqx.is_array(x) or "norm" in jax.tree_util.keystr(path) else x / 64,
+        fresh)
     try:
         torch_model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True,
                                                            dtype=torch.float32).eval()
         for what, gpt, arrays, rtol in (
                 ("a drawn model", fresh, state_dict(fresh, V)[0], DRAWN_RTOL),
-                ("a drawn model at 1/64", small, state_dict(small, V)[0], DRAWN_RTOL),
+                ("a drawn model at 1/64 but its gains", small, state_dict(small, V)[0], DRAWN_RTOL),
                 ("the run's weights", model, weights, RTOL)):
             torch_model.load_state_dict({k: torch.tensor(v) for k, v in arrays.items()})
             worst, scale = logit_gap(torch_model, gpt, V, block_size)

@@ -469,20 +469,22 @@ def test_an_exact_gelu_is_refused_whatever_the_size_of_the_logits(readout, tmp_p
     assert_refused(f"error: {e.value}", out)
 
 
-@pytest.mark.parametrize("edit", ["exact-gelu", "soft-cap-50", "rms-norm-eps-1e-5"])
+@pytest.mark.parametrize("edit", ["exact-gelu", "soft-cap-50", "rms-norm-eps-1e-5",
+                                  "qk-norm-eps-1e-5"])
 def test_an_edit_an_early_checkpoint_hides_is_refused(runs, edit, tmp_path, monkeypatch):
     """A checkpoint 10 steps in (muP's readout still near its zero start): an exact GELU or a
     soft-cap of the attention logits at 50 moves its logits by less than the bound on its own
     weights, and it was exported, the PyTorch file computing the old math. The check on a model
     drawn as training starts (check.drawn) sees both: refused. An epsilon of 1e-5 for 1e-6 in
-    RMSNorm (LLaMA's value) hides on the drawn model too; the drawn model with every array at
-    1/64 shows it. (The QK-norm's does not show there: its queries and keys at 1/64 make the
-    softmax uniform whatever the epsilon.)"""
-    from test_kernels import capped_logits
+    RMSNorm or the QK-norm (LLaMA's value) hides on the drawn model too; the drawn model with its
+    arrays but the gains at 1/64 shows it."""
+    from test_kernels import capped_logits, norm_eps
     if edit == "exact-gelu":
         monkeypatch.setattr(definition, "gelu", lambda x: jax.nn.gelu(x, approximate=False))
     elif edit == "soft-cap-50":
         monkeypatch.setattr(definition, *capped_logits(50.0))
+    elif edit == "qk-norm-eps-1e-5":
+        monkeypatch.setattr(definition, *norm_eps(1e-5))
     else:
         def rms_norm(x_TD, gain_D):
             x = x_TD.astype(jnp.float32)

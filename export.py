@@ -21,6 +21,7 @@ computes something else. DIR is written beside itself and renamed into place at 
 other folder): an interrupted export leaves no half-written DIR. Needs requirements-export.txt
 (torch, transformers, safetensors)."""
 import argparse
+import itertools
 import os
 import shutil
 import sys
@@ -45,6 +46,7 @@ HF = ROOT / "hf"  # the modeling files an export carries (and its self-check loa
 SUPPORTED = {"attention": ("mha", "sharedkv"), "position": ("rope", "alibi"),
              "connections": ("residual", "mudd")}
 DTYPES = ("float32", "bfloat16", "float16")
+EXPORTS = itertools.count()  # this process's exports: each writes its own folder beside out
 
 
 def check_exportable(cfg: Config) -> None:
@@ -158,9 +160,13 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
                          "follow model.py; nothing was written") from None
     # written beside out, checked there and renamed into place: a killed export leaves no half of
     # one at out
-    tmp, old = (out.parent / f".{out.name}.{what}-{os.getpid()}" for what in ("export", "old"))
-    for stale in (tmp, old):  # a killed export's, of the same process id
+    # A name of its own per export: transformers keeps the modeling module it loaded for the
+    # self-check under the folder's name, and gave a second export of this process the first's
+    # module (an edit of the modeling file unchecked)
+    for stale in out.parent.glob(f".{out.name}.*-{os.getpid()}-*"):  # a killed export's
         shutil.rmtree(stale, ignore_errors=True)
+    n = next(EXPORTS)
+    tmp, old = (out.parent / f".{out.name}.{what}-{os.getpid()}-{n}" for what in ("export", "old"))
     try:
         tmp.mkdir(parents=True)
         tensors = {k: torch.tensor(v).to(getattr(torch, dtype)) for k, v in weights.items()}

@@ -17,9 +17,9 @@ beside model.py's forward (hf/check.py: float32, on the same tokens, generate's 
 the run's weights and with models drawn as training starts) and refuses in one line when they
 differ, naming every array of model.py's GPT that no exported tensor carries: an edit of
 model.py that hf/modeling_mugpt.py does not follow is never exported as a model that silently
-computes something else. DIR is written beside itself and renamed into place at the end (--force replaces an earlier export whole, no
-other folder): an interrupted export leaves no half-written DIR. Needs requirements-export.txt
-(torch, transformers, safetensors)."""
+computes something else. DIR is written beside itself and renamed into place at the end
+(--force replaces an earlier export whole, no other folder): an interrupted export leaves no
+half-written DIR. Needs requirements-export.txt (torch, transformers, safetensors)."""
 import argparse
 import itertools
 import os
@@ -158,11 +158,10 @@ def write(model, cfg: Config, meta: dict, out: Path, dtype: str = "float32") -> 
         raise UsageError(f"export.py's state_dict cannot read model.py's GPT ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:200]}): edit it and hf/modeling_mugpt.py to "
                          "follow model.py; nothing was written") from None
-    # written beside out, checked there and renamed into place: a killed export leaves no half of
-    # one at out
-    # A name of its own per export: transformers keeps the modeling module it loaded for the
-    # self-check under the folder's name, and gave a second export of this process the first's
-    # module (an edit of the modeling file unchecked)
+    # Written beside out, checked there and renamed into place: a killed export leaves no half of
+    # one at out. A folder name of its own per export: transformers keeps the modeling module it
+    # loaded for the self-check under the folder's name, and gave a second export of this process
+    # the first's module (an edit of the modeling file unchecked)
     for stale in out.parent.glob(f".{out.name}.*-{os.getpid()}-*"):  # a killed export's
         shutil.rmtree(stale, ignore_errors=True)
     n = next(EXPORTS)

@@ -107,9 +107,9 @@ def check_one_readout(cfg: Config, fast: dict[str, Callable]) -> None:
         h_TD, unembed_VD = h_TD.astype(jnp.float32), unembed_VD.astype(jnp.float32)
         shifted = (jnp.concatenate([h_TD, 3 * spread((T, 1), jnp.float32, -2)], 1),
                    jnp.pad(unembed_VD, ((0, 0), (0, 1)), constant_values=1 / gpt.readout_mult))
+        cross_entropy_T = model.cross_entropy(*inputs, y_T)
         return (jnp.isfinite(want).all(), row_error(gpt.logits(x_TD), want),
-                row_error(model.cross_entropy(*inputs, y_T), plain_T),
-                row_error(gpt.loss(x_TD, y_T), model.cross_entropy(*inputs, y_T)),
+                row_error(cross_entropy_T, plain_T), row_error(gpt.loss(x_TD, y_T), cross_entropy_T),
                 row_error(model.cross_entropy(*shifted, gpt.readout_mult, y_T),
                           model.cross_entropy(h_TD, unembed_VD, gpt.readout_mult, y_T)))
 

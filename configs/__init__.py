@@ -227,9 +227,11 @@ class Config:
             (self.d_model % fsdp,
              f"d_model={self.d_model} is not divisible by the fsdp axis size {fsdp}; "
              f"set mesh_replica"),
-            (self.microbatch_size % self.loss_chunks,
-             f"loss_chunks={self.loss_chunks} does not divide the {self.microbatch_size} "
-             f"sequences of a microbatch"),
+            # each replica takes its loss over its own share of the microbatch (shard_map)
+            ((self.microbatch_size // self.mesh_replica) % self.loss_chunks,
+             f"loss_chunks={self.loss_chunks} does not divide the "
+             f"{self.microbatch_size // self.mesh_replica} sequences of a microbatch on each "
+             f"replica ({self.microbatch_size} / mesh_replica={self.mesh_replica})"),
             # the train step skips non-finite losses and gradients only: an update must be finite
             # when they are
             (not (0 < self.learning_rate < 3e38 and 0 <= self.min_lr < 3e38),
@@ -287,12 +289,14 @@ class Config:
                                  f"leave it at {getattr(default, name)!r}")
 
 
-# The fields that only some optimizers or schedules read: field -> (what chooses, the users)
+# The fields that only some optimizers, schedules or positions read: field -> (what chooses, the
+# users)
 ONLY_FOR = {"beta1": ("optimizer", ("adamw", "muon")), "beta2": ("optimizer", ("adamw", "muon")),
             "adam_eps": ("optimizer", ("adamw", "muon")), "lion_beta1": ("optimizer", ("lion",)),
             "lion_beta2": ("optimizer", ("lion",)), "muon_momentum": ("optimizer", ("muon",)),
             "muon_ns_steps": ("optimizer", ("muon",)), "muon_rms": ("optimizer", ("muon",)),
-            "decay_fraction": ("schedule", ("wsd",)), "decay_shape": ("schedule", ("wsd",))}
+            "decay_fraction": ("schedule", ("wsd",)), "decay_shape": ("schedule", ("wsd",)),
+            "rope_base": ("position", ("rope",))}
 
 
 # The fields a resumed run may change (launch.py compares every other one with the run's

@@ -154,14 +154,18 @@ class Tally:
         self.cfg = cfg
         self.on_device = []  # each step's metrics not fetched yet: dicts of scalar arrays
         # since_log: the fetched metrics of the steps after the last multiple of log_interval;
-        # streak: the steps skipped in a row; lr: the last applied update's (optimizers.applied_lr)
-        self.state = {"since_log": [], "streak": 0, "skipped": 0, "lr": 0.0} | (saved or {})
+        # streak: the steps skipped in a row; worst: the longest streak since the last check (a
+        # streak can end between two checks, which see only the current one); lr: the last
+        # applied update's (optimizers.applied_lr)
+        self.state = {"since_log": [], "streak": 0, "worst": 0, "skipped": 0, "lr": 0.0} | (
+            saved or {})
 
     def fetch(self) -> None:
         for m in jax.device_get(self.on_device):  # one transfer for all of them
             m = {k: v.item() for k, v in m.items()}
             self.state["since_log"].append(m)
             self.state["streak"] = self.state["streak"] + 1 if m["skipped"] else 0
+            self.state["worst"] = max(self.state.get("worst", 0), self.state["streak"])
             self.state["skipped"] += m["skipped"]
             self.state["lr"] = m["lr"]
         self.on_device = []
@@ -187,10 +191,11 @@ class Tally:
         return self.state["lr"]
 
     def check(self, step: int) -> None:
-        if self.state["streak"] >= self.cfg.max_nonfinite:
-            raise RunError(f"{self.state['streak']} steps in a row up to step {step} had a "
-                           f"non-finite loss or gradient and were skipped "
-                           f"(max_nonfinite={self.cfg.max_nonfinite}): the run has diverged")
+        worst, self.state["worst"] = self.state["worst"], self.state["streak"]
+        if worst >= self.cfg.max_nonfinite:
+            raise RunError(f"{worst} steps in a row by step {step} had a non-finite loss or "
+                           f"gradient and were skipped (max_nonfinite={self.cfg.max_nonfinite}): "
+                           f"the run has diverged")
 
 
 # Dense bf16 peak FLOP/s per device from the datasheets, by jax's device_kind exactly (the GPU

@@ -294,6 +294,32 @@ def test_nonfinite_step_is_skipped_and_leaves_the_state_as_it_was():
     assert int(opt_state[1].count) == 1  # applied: Adam's count moved
 
 
+@pytest.mark.parametrize("skipped,stops", [(range(12, 22), True), (range(12, 21), False),
+                                            (range(1, 4), True)])
+def test_a_streak_of_skipped_steps_between_two_checks_stops_the_run(skipped, stops):
+    """train.py checks the streak at log points and saves only: steps 12-21 skipped in a row
+    (log_interval=10, max_nonfinite=10) end before the check at 30, which once saw a streak of 0
+    and let the run go on; 1-3 with max_nonfinite=3, ended before the check at 10, likewise.
+    Nine in a row do not stop it."""
+    from run.errors import RunError
+    from run.metrics import Tally
+    limit = 3 if skipped.start == 1 else 10
+    tally = Tally(tiny(log_interval=10, max_nonfinite=limit))
+    raised = []
+    for step in range(1, 41):
+        tally.on_device.append({"loss": np.float32(1.0), "grad_norm": np.float32(1.0),
+                                "lr": np.float32(0.1), "skipped": np.int32(step in skipped)})
+        if step % 10 == 0:  # as train.py: record, then check, at each log point
+            tally.record(step)
+            try:
+                tally.check(step)
+            except RunError as e:
+                raised.append((step, str(e)))
+    n = len(skipped)
+    want = [(10 * -(-skipped[-1] // 10), f"{n} steps in a row by step")] if stops else []
+    assert [(s, e[:len(want[0][1])]) for s, e in raised[:1]] == want[:1], raised
+
+
 def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shakespeare, tmp_path,
                                                                             env):
     """alpha_out=1e39 is inf in float32: every loss is non-finite, so every step is skipped. After
@@ -304,7 +330,7 @@ def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shak
     overrides = ["--config.alpha_out=1e39", "--config.max_nonfinite=3", "--config.log_interval=1",
                  "--config.ckpt_interval=2", "--config.max_steps=50"]
     r = run(launch_args(rundir, *overrides), env)
-    assert_one_line_error(r, "3 steps in a row up to step 3 had a non-finite loss or gradient")
+    assert_one_line_error(r, "3 steps in a row by step 3 had a non-finite loss or gradient")
     steps = [rec for rec in records(rundir) if "skipped" in rec]
     got = [(rec["step"], rec["skipped"], rec["loss"]) for rec in steps]
     assert got == [(1, 1, None), (2, 2, None), (3, 3, None)]

@@ -150,6 +150,10 @@ BAD_INPUTS = [
     (["--config.block_size=200000"], "block_size=200000 (+1 for the targets) is longer"),
     (["--config.dataset=nodata"], "prepare it with `python data.py nodata`"),
     (["--config.loss_chunks=5"], "loss_chunks=5 does not divide the 12 sequences of a microbatch"),
+    # each replica's loss takes its 6: a traceback from the chunks' reshape at the first step
+    (["--config.loss_chunks=4", "--config.mesh_replica=2"],
+     "loss_chunks=4 does not divide the 6 sequences of a microbatch on each replica "
+     "(12 / mesh_replica=2)"),
     (["--config.vocab_size=50"], "beyond the model's vocab_size=50; set --config.vocab_size=65"),
     (["--config.mesh_replica=3"], "mesh_replica=3 does not divide the 2 devices (on a CPU, "
                                   "JAX_NUM_CPU_DEVICES=N splits it"),

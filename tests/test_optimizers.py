@@ -181,6 +181,8 @@ def test_an_option_of_another_optimizer_or_schedule_is_refused_in_one_line():
               "optimizer='lion' (only to adamw or muon): leave it at 1e-08"),
              (dict(muon_momentum=0.9), "muon_momentum=0.9 does not apply to optimizer='adamw'"),
              (dict(decay_fraction=0.5), "decay_fraction=0.5 does not apply to schedule='cosine'"),
+             (dict(position="alibi", rope_base=500.0),  # ALiBi has no rotation to set
+              "rope_base=500.0 does not apply to position='alibi' (only to rope)"),
              # WSD's decay would start inside warmup: at warmup's end the LR would fall at once
              (dict(schedule="wsd", decay_fraction=0.5, warmup_steps=7, max_steps=10),
               "decay_fraction=0.5 starts the WSD decay at step 5, before warmup_steps=7 ends: "

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> None:
         cfg = read_config(rundir)
         encode, decode = tokenizer(meta := read_dataset_record(rundir, cfg))
         prompt = encode(read_prompt(args.start))
+        if not prompt:  # generate would start after a padding id 0 at position 0, as if prompted
+            raise UsageError(f"--start={args.start!r} is no token in this run's tokenizer (it "
+                             f"drops what the prompt holds): pass a prompt it keeps")
         S = args.context or cfg.block_size
         if len(prompt) > S:
             print(f"note: the prompt has {len(prompt)} tokens; keeping its last {S}",

@@ -4,8 +4,9 @@
 A task is a local JSONL file (one example a line) or a name in HF_TASKS, downloaded by `datasets`:
 - multiple choice (HellaSwag, PIQA, Winogrande style): {"context": str, "choices": [str, ...],
   "label": int}. Each choice is scored by the log-likelihood of its tokens after the context's
-  (a choice carries its own leading space): acc picks the highest sum, acc_norm the highest sum
-  per character of the choice (lm-evaluation-harness's acc_norm).
+  (a choice carries its own leading space, or the context ends with it: lm-eval's
+  target_delimiter): acc picks the highest sum, acc_norm the highest sum per character of the
+  choice as written (lm-evaluation-harness's acc_norm, which counts no delimiter).
 - last word (LAMBADA style): {"text": str}. The continuation is the last space-separated word
   (with its space): acc counts texts whose every word token is the argmax, ppl is
   exp(-mean log-likelihood of the word).
@@ -40,10 +41,12 @@ def hellaswag_text(text: str) -> str:
 
 def hellaswag_example(r: dict) -> dict:
     """A Rowan/hellaswag record as lm-eval's hellaswag task scores it (so that its numbers can be
-    set beside published ones): the activity, then ctx_a and ctx_b capitalised."""
+    set beside published ones): the activity, then ctx_a and ctx_b capitalised. The space before
+    an ending is its target_delimiter, which acc_norm's per-character length leaves out: it ends
+    the context (tokenize moves it to the continuation, as lm-eval does)."""
     context = f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"
-    return {"context": hellaswag_text(context),
-            "choices": [" " + hellaswag_text(e) for e in r["endings"]], "label": int(r["label"])}
+    return {"context": hellaswag_text(context) + " ",
+            "choices": [hellaswag_text(e) for e in r["endings"]], "label": int(r["label"])}
 
 
 # name -> (HF dataset id, split, record -> our format), as lm-eval's tasks of those names

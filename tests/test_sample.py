@@ -252,6 +252,20 @@ def test_bad_input_is_one_line(run_dir, tmp_path):
     assert error_line([f"--rundir={tmp_path}"]).startswith(f"error: {tmp_path} has no checkpoint yet")
 
 
+def test_a_prompt_of_no_tokens_is_refused(run_dir, monkeypatch):
+    """A tokenizer that splits on whitespace (tokenizers' WordLevel) encodes sample.py's default
+    prompt, a newline, to no token: generate then started after the padding id 0 as if it were
+    the prompt."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = Tokenizer(models.WordLevel({"ROMEO": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert words.encode("\n").ids == [] and words.encode("ROMEO\n").ids == [0]
+    monkeypatch.setattr(sample, "tokenizer", lambda meta: (lambda t: words.encode(t).ids, str))
+    assert error_line([f"--rundir={run_dir}"]) == (
+        "error: --start='\\n' is no token in this run's tokenizer (it drops what the prompt "
+        "holds): pass a prompt it keeps")
+
+
 def test_a_missing_step_is_one_line_on_stderr_without_orbax_warnings(run_dir):
     r = run_process(["sample.py", f"--rundir={run_dir}", "--step=7"])
     assert r.returncode == 1 and r.stderr == f"error: --step=7: {run_dir} has checkpoints of steps 5, 10 only\n", r.stderr

@@ -1,7 +1,9 @@
 """eval.py's local task files checked line by line (inference/tasks.py): each malformed file is
 one line naming the file and the line, never a traceback or a silent score."""
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from inference.tasks import load_task
@@ -89,5 +91,51 @@ def test_hellaswag_is_read_as_lm_eval_reads_it():
     convert = HF_TASKS["hellaswag"][2]
     for ours, theirs in zip(map(convert, records),
                             utils.process_docs(datasets.Dataset.from_list(records))):
-        assert ours == {"context": theirs["query"], "choices": [" " + c for c in theirs["choices"]],
+        assert ours == {"context": theirs["query"] + " ", "choices": theirs["choices"],
                         "label": theirs["gold"]}
+
+
+def test_hellaswag_is_scored_as_lm_eval_scores_it(tmp_path, monkeypatch):
+    """lm-eval's own hellaswag task (its YAML, on these records in a local file): the same
+    (context, continuation) requests once trailing spaces move to the continuation (both move
+    them), and the same acc and acc_norm from the same log-likelihoods. acc_norm divides by the
+    ending's characters without the space before it: counting that space, the second example's
+    long ending lost to a short one (-1.35 against -1.351 a character, where lm-eval has -1.5
+    against -1.389)."""
+    pytest.importorskip("lm_eval")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    from inference.tasks import hellaswag_example, metrics, requests
+    records = [
+        {"activity_label": "Baking", "ctx_a": "She mixes the dough.", "ctx_b": "she",
+         "ctx": "", "label": "1", "endings": ["bakes it.", "puts the bowl in the oven and waits.",
+                                              "[title] Sing.", "runs"]},
+        {"activity_label": "Washing face", "ctx_a": "A man is at a sink.", "ctx_b": "he",
+         "ctx": "", "label": "0", "endings": ["washes his face.", "runs.", "sits.", "jumps  up."]},
+    ]
+    (tmp_path / "hs.jsonl").write_text(lines(*records).decode())
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hs.yaml").write_text(
+        f"include: {Path(lm_eval.__file__).parent / 'tasks/hellaswag/hellaswag.yaml'}\n"
+        "task: local_hellaswag\ntag: []\ndataset_path: json\ntraining_split: null\n"
+        f"dataset_kwargs:\n  data_files:\n    validation: {tmp_path / 'hs.jsonl'}\n")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    task = TaskManager(include_path=str(tmp_path / "tasks")).load("local_hellaswag")["tasks"][
+        "local_hellaswag"]
+    docs = list(task.validation_docs())
+    ours = [hellaswag_example(r) for r in records]
+
+    def moved(context, continuation):  # lm-eval's and tokenize's: a context's end spaces move
+        spaces = len(context) - len(context.rstrip())
+        return context[:len(context) - spaces], context[len(context) - spaces:] + continuation
+    theirs = [moved(*r.arguments) for d in docs for r in task.construct_requests(
+        d, task.doc_to_text(d))]
+    assert [moved(*pair) for pair in requests(ours)] == theirs
+    rng = np.random.default_rng(0)
+    for lls in [np.array([-13.5, -50.0, -99.0, -99.0, -20.0, -9.0, -9.0, -9.0]),
+                *(rng.uniform(-60, -1, 8) for _ in range(20))]:
+        want = [task.process_results(d, [(ll, False) for ll in lls[4 * i:4 * i + 4]])
+                for i, d in enumerate(docs)]
+        got = metrics(ours, lls, np.zeros(8, bool))
+        for key in ("acc", "acc_norm"):
+            assert got[key] == np.mean([w[key] for w in want]), (key, lls)

@@ -25,6 +25,11 @@ RTOL = 1e-4
 # than RTOL allows; on a drawn model float32 rounding stays an order of magnitude below this
 # bound and the edits that slipped through sit well above it (figures: BENCHMARKS.md)
 DRAWN_RTOL = 2e-5
+# A half-precision export's logits against its own float32 logits, relative to the largest: a
+# coarse bound that honest rounding, growing with depth, stays below (a few 1e-3 at 2 layers), and
+# a path that computes garbage only in float16 or bfloat16 (a norm that overflows to zeros, a
+# dtype-dependent branch) does not; finer edits are the float32 check's
+HALF_RTOL = 0.1
 
 
 def drawn(cfg: Config):
@@ -86,8 +91,8 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
     it (from_pretrained, its own modeling file: a buffer made in __init__ but not saved is what
     that makes of it, not what the class makes), computes model.py's logits (logit_gap) with
     these weights and with those of a model drawn as training starts (drawn; and its arrays but
-    the gains at 1/64), every array of the model is carried by an exported tensor, and, in a half-precision
-    export's dtype, its logits are finite."""
+    the gains at 1/64), every array of the model is carried by an exported tensor, and, in a
+    half-precision export's dtype, its logits are finite and within HALF_RTOL of float32's."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -124,8 +129,16 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
     if config["dtype"] != "float32":  # as saved: float16 overflows past 65504
         with torch.no_grad():
             ids = torch.from_numpy(tokens(block_size, V, seed=block_size))[None]
-            half = torch_model.to(getattr(torch, config["dtype"]))(ids).logits
+            full = torch_model(ids).logits  # the run's weights, checked above
+            half = torch_model.to(getattr(torch, config["dtype"]))(ids).logits.float()
         if not torch.isfinite(half).all():
             raise UsageError(f"in {config['dtype']} the exported model's logits are not finite "
                              "(in float32 they are): export with --dtype=bfloat16 or float32; "
                              "nothing was written")
+        gap, bound = float((half - full).abs().max()), HALF_RTOL * float(full.abs().max())
+        if not gap <= bound:
+            raise UsageError(f"in {config['dtype']} the exported model computes other logits than "
+                             f"in float32 (max difference {gap:.3g}, rounding's bound "
+                             f"{bound:.2g}): hf/modeling_mugpt.py runs another path in "
+                             f"{config['dtype']}; export with --dtype=float32, or mend that "
+                             "path; nothing was written")

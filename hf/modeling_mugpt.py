@@ -12,7 +12,8 @@ RoPE's positions are position_ids where passed (generate's count them from the a
 over the cache's window: left padding shifts them), else they follow the cache. ALiBi's distances
 are those of cache indices, which equal the positions' differences between unpadded tokens
 (padding is on the left only). Past max_position_embeddings (the block_size it was trained on)
-generate slides its window as sample.py does (prepare_inputs_for_generation).
+generate slides its window as sample.py does (prepare_inputs_for_generation), with use_cache=True
+(its default) only: without the cache it refuses to go past it.
 """
 import math
 
@@ -191,6 +192,13 @@ class MuGPTForCausalLM(PreTrainedModel, GenerationMixin):
         cache = inputs.get("cache", inputs.get("past_key_values"))
         past = cache.get_seq_length() if cache is not None else 0
         S, T = self.config.max_position_embeddings, inputs["input_ids"].shape[1]
+        if inputs.get("use_cache") is False and T > S:
+            # Without a cache generate passes the whole sequence at each step and not where its
+            # prompt ended, which sets where sample.py's window slides (a prompt longer than S is
+            # cut to its last S tokens, and the slides count from there): refused, not guessed
+            raise ValueError(f"generate with use_cache=False past max_position_embeddings ({S} "
+                             f"tokens, here {T}): only the cache slides the window as sample.py "
+                             "does; pass use_cache=True")
         if past + T > S:  # the window slides
             n = min(S, S // 2 + T) if past else S
             if past:  # a negative crop: that many tokens removed (transformers 4.x and 5.x)

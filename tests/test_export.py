@@ -124,6 +124,41 @@ def test_greedy_generate_equals_sample_py(runs):
     assert_greedy_generate_equals_sample_py(model, cfg, hf, tokenizer(TEXT)["input_ids"], 5)
 
 
+def test_generate_without_the_cache_is_generate_with_it_or_refused(runs):
+    """use_cache=False recomputes the whole sequence at each step: within the block the same
+    tokens as the cache's; past it the window would slide by one token a step, not as sample.py's
+    (by half a block), so it is refused in one line rather than generating other text."""
+    model, cfg, hf, tokenizer = load(*runs["sp"])
+    prompt = torch.tensor([tokenizer("First\nA")["input_ids"]])
+    n = cfg.block_size - prompt.shape[1] + 1  # the last token read from a full block
+    with torch.no_grad():
+        cached, recomputed = (hf.generate(prompt, max_new_tokens=n, do_sample=False,
+                                          use_cache=use) for use in (True, False))
+        assert recomputed.tolist() == cached.tolist()
+        with pytest.raises(ValueError, match="use_cache=False past max_position_embeddings"):
+            hf.generate(prompt, max_new_tokens=n + 1, do_sample=False, use_cache=False)
+
+
+def test_generated_text_keeps_its_newlines(runs):
+    """The character tokenizer's newline is also its bos and pad token (lm-eval and batched
+    generate need them, and no id is spare), a special token to transformers, whose decode with
+    skip_special_tokens=True (the text-generation pipeline's, lm-eval's) dropped every newline of
+    the text: the pipeline's text is sample.py's tokens decoded by text/tokenization.py."""
+    model, cfg, hf, tokenizer = load(*runs["sp"])
+    encode, decode_ids = reading.tokenizer(reading.read_dataset_record(epath.Path(runs["sp"][0]),
+                                                                       cfg))
+    prompt = "First\nA"
+    n = cfg.block_size - len(encode(prompt))
+    want = decode.generate(model, decode.prompt_window(encode(prompt), cfg.block_size),
+                           jax.random.key(0), jnp.float32(0.0), num_samples=1, max_new_tokens=n,
+                           n_vocab=65)
+    want = prompt + decode_ids(np.asarray(want)[0].tolist())  # the pipeline's: prompt and text
+    got = transformers.pipeline("text-generation", model=hf, tokenizer=tokenizer)(
+        prompt, max_new_tokens=n, do_sample=False)[0]["generated_text"]
+    assert got == want and "\n" in want[len(prompt):]  # a newline generated, and kept
+    assert tokenizer.batch_decode([encode(TEXT)], skip_special_tokens=True) == [TEXT]
+
+
 def assert_greedy_generate_equals_sample_py(model, cfg, hf, prompt: list[int],
                                             blocks: int = 1) -> None:
     """hf.generate's greedy tokens after prompt, to the end of the block or through `blocks`
@@ -204,7 +239,7 @@ def test_the_character_tokenizer_refuses_a_character_it_lacks(tmp_path):
 
     record = {"kind": "char", "chars": sorted(set(TEXT))}
     export.hf_tokenizer({"tokenizer": record}).save_pretrained(tmp_path)
-    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=True)
     encode = tokenization.load(record)[0]
     assert hf_tok(TEXT)["input_ids"] == encode(TEXT) and hf_tok.decode(encode(TEXT)) == TEXT
     with pytest.raises(UsageError, match="'7'"):
@@ -450,6 +485,36 @@ def test_an_edited_modeling_file_that_differs_is_refused(code, tmp_path, monkeyp
     with pytest.raises(UsageError) as e:
         export.write(gpt, cfg, CHARS, out)
     assert_refused(f"error: {e.value}", out)
+
+
+# A norm that halves its output in float16 and bfloat16 only: float32 exports are untouched
+NORM_IN_HALF = """
+_plain_rms_norm = rms_norm
+
+
+def rms_norm(x, gain=None):
+    y = _plain_rms_norm(x, gain)
+    return y if x.dtype == torch.float32 else 0.5 * y
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_modeling_file_that_computes_otherwise_in_half_precision_is_refused(dtype, tmp_path,
+                                                                              monkeypatch):
+    """The float32 self-check cannot see a path the modeling file takes only in float16 or
+    bfloat16: its logits are finite but not float32's (here a norm that halves its output), and
+    such an export is refused in one line, nothing written; float32's is written."""
+    edited_modeling_file(tmp_path, monkeypatch, NORM_IN_HALF)
+    cfg = tiny()
+    gpt = random_gpt(cfg)
+    export.write(gpt, cfg, CHARS, tmp_path / "float32")
+    out = tmp_path / "out"
+    with pytest.raises(UsageError, match=f"^in {dtype} the exported model computes other logits "
+                                         "than in float32 .*nothing was written$") as e:
+        export.write(gpt, cfg, CHARS, out, dtype)
+    print(f"\n{dtype}: error: {e.value}")
+    assert "\n" not in str(e.value) and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["float32"]  # no temporary folder
 
 
 @pytest.mark.parametrize("readout", [1.0, 0.01])

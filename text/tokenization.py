@@ -98,6 +98,8 @@ def hf_tokenizer(meta: dict):
 
     tok = meta["tokenizer"]
     if tok["kind"] == "char":  # one id per character, no merges; decoded by joining
+        from hf.tokenization_mugpt import MuGPTCharTokenizer
+
         vocab = {c: i for i, c in enumerate(tok["chars"])}
         # an unknown token it has no id for: a character outside the vocabulary is refused when
         # encoded (without one, the BPE model drops it silently)
@@ -105,10 +107,11 @@ def hf_tokenizer(meta: dict):
         core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk))
         core.decoder = decoders.Fuse()
         # No end-of-text character: lm-eval needs a prefix for an empty context (bos) and pads
-        # batches (never read: any id does); the first character (a newline) serves for both.
+        # batches (never read: any id does); the first character (a newline) serves for both, in
+        # a class whose decode skips no id: transformers' skips its special tokens, here text
         first = tok["chars"][0]
-        return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=first, pad_token=first,
-                                       split_special_tokens=True)
+        return MuGPTCharTokenizer(tokenizer_object=core, bos_token=first, pad_token=first,
+                                  split_special_tokens=True)
     if tok["kind"] == "hf":
         core = plain(Tokenizer.from_str(tok["json"]))  # as training encoded
         eos = core.id_to_token(tok["eos"])

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from configs import Config
-from fused.agreement import TOLERANCE, row_error, tokens
+from fused.agreement import TOLERANCE, row_error, spread, tokens
 from model import GPT, KVCache
 from run.errors import UsageError
 
@@ -80,6 +80,7 @@ def check_cache(model: GPT, cfg: Config, S: int) -> None:
     layers; at 24 layers x 256 wide half the rounding: BENCHMARKS.md), an edit's is not rounding's
     size."""
     tokens_S = jnp.asarray(tokens(S, cfg.vocab_size))  # special tokens among them
+    model = with_a_readout(model)
     for dtype in dict.fromkeys(["float32", cfg.compute_dtype]):
         with jax.default_matmul_precision("float32" if dtype == "float32" else None):
             finite, error = map(float, cached_against_full(plain_gpt(model, cfg, dtype), tokens_S))
@@ -102,6 +103,17 @@ def check_cache(model: GPT, cfg: Config, S: int) -> None:
                              "start, SharedKV's keys changed in Attention.project: the cache "
                              "branch of Attention.__call__ uses the values as keys); make both "
                              "follow it")
+
+
+def with_a_readout(model: GPT) -> GPT:
+    """The readout starts at zero (params.py: the loss starts at ln V), so at step 0 every logit
+    is 0, the full forward's and decoding's alike, and check_cache would compare zeros. What it
+    checks is the code, not the weights: a drawn readout stands in for a zero one."""
+    emb = model.emb
+    if isinstance(emb, eqx.nn.Shared) or bool(jnp.any(emb.unembed != 0)):  # tied: embed's, drawn
+        return model
+    return eqx.tree_at(lambda gpt: gpt.emb.unembed, model,
+                       spread(emb.unembed.shape, emb.unembed.dtype, seed=1))
 
 
 def pick(logits_V: jax.Array, key: jax.Array, temperature, n_vocab: int, top_k: int,

@@ -10,9 +10,10 @@ A task is a local JSONL file (one example a line) or a name in HF_TASKS, downloa
 - last word (LAMBADA style): {"text": str}. The continuation is the last space-separated word
   (with its space): acc counts texts whose every word token is the argmax, ppl is
   exp(-mean log-likelihood of the word).
-Tokens as lm-evaluation-harness makes them: encode(context + continuation), the continuation
-being what follows encode(context); the last block_size + 1 tokens are kept. Scored in jitted
-batches of fixed shape, split over all devices (the batch axis), so one compilation serves all.
+Tokens as lm-evaluation-harness makes them: encode(context), then the continuation's, those of
+encode(context + continuation) after encode(context)'s length; the last block_size + 1 are kept.
+Scored in jitted batches of fixed shape, split over all devices (the batch axis), so one
+compilation serves all.
 """
 import json
 import math
@@ -23,6 +24,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs import Config
@@ -154,7 +156,8 @@ def tokenize(pairs, encode, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
-        whole, n_context = encode(context + continuation), len(encode(context))
+        whole, context_ids = encode(context + continuation), encode(context)
+        n_context = len(context_ids)
         n_cont = len(whole) - n_context
         if not n_context:  # no token before the continuation's first: nothing would score it
             raise UsageError(f"the context before {continuation!r} is empty: a continuation is "
@@ -162,7 +165,9 @@ def tokenize(pairs, encode, T: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]
         if not 0 < n_cont <= T:
             raise UsageError(f"{continuation!r} is {n_cont} tokens: a continuation must be 1 to "
                              f"block_size={T} tokens")
-        tokens = whole[-(T + 1):]
+        # the context as encoded alone: where a BPE merges across the cut, the merged token
+        # would hold the continuation's start, and the model would read part of its answer
+        tokens = (context_ids + whole[n_context:])[-(T + 1):]
         n = len(tokens) - 1
         x[i, :n], y[i, :n] = tokens[:-1], tokens[1:]
         m[i, n - n_cont:n] = 1
@@ -196,7 +201,8 @@ def loglikelihoods(model, x, y, m, n_vocab: int, sharding, batch: int):
             part = x[i:i + batch], y[i:i + batch], m[i:i + batch]
             ll, g = score(model, *jax.device_put(part, sharding), n_vocab)
             lls.append(ll), greedy.append(g)
-    lls, greedy = jax.device_get((lls, greedy))
+    # a multi-host run's rows sit on other processes' devices too, which device_get cannot read
+    lls, greedy = multihost_utils.process_allgather((lls, greedy), tiled=True)
     return np.concatenate(lls)[:rows].astype(np.float64), np.concatenate(greedy)[:rows]
 
 

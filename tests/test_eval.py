@@ -87,11 +87,18 @@ def test_lm_eval_agrees_with_eval_py(exported, monkeypatch):
                                         "lastword3/ppl"}
     for key in ours:
         assert ours[key] == pytest.approx(theirs[key], rel=1e-4), key
-    for name, (examples, (x, y, m)) in tasks.tasks.items():  # every request's log-likelihood
+    same_loglikelihoods(model, tasks, their_lls)
+    print(json.dumps({"eval.py": ours, "lm_eval": theirs}))
+
+
+def same_loglikelihoods(model, tasks, their_lls):
+    """Every request's log-likelihood, eval.py's against lm-eval's: three examples' metrics
+    alone can agree by chance where the tokens scored differ."""
+    assert set(tasks.tasks) == set(their_lls)
+    for name, (examples, (x, y, m)) in tasks.tasks.items():
         lls, _ = downstream.loglikelihoods(model, x, y, m, tasks.n_vocab,
                                            jax.sharding.SingleDeviceSharding(jax.devices()[0]), 8)
-        np.testing.assert_allclose(lls, their_lls[name], atol=1e-3, rtol=1e-5)
-    print(json.dumps({"eval.py": ours, "lm_eval": theirs}))
+        np.testing.assert_allclose(lls, their_lls[name], atol=1e-3, rtol=1e-5, err_msg=name)
 
 
 def test_a_uniform_model_scores_as_computed_by_hand(exported, monkeypatch):
@@ -188,7 +195,8 @@ def test_tasks_in_the_loop_log_eval_py_numbers_to_tensorboard(exported):
 # ---------------------------------------------------------------------------------------------
 # A tokenizer whose tokens span several characters: acc_norm's divisor (characters, not tokens)
 # and the context/continuation split are exercised, as the character-level tokenizer above cannot.
-BPE_TASKS = {"mugpt_mc6": ROOT / "tests/tasks/mc6.jsonl", **TASKS}
+BPE_TASKS = {"mugpt_mc6": ROOT / "tests/tasks/mc6.jsonl",
+             "mugpt_mc3_split": ROOT / "tests/tasks/mc3_split.jsonl", **TASKS}
 
 
 @pytest.fixture(scope="module")
@@ -224,17 +232,19 @@ def bpe(shakespeare, tmp_path_factory):
 
 def scored_by_hand(model, cfg, encode, V: int, paths=BPE_TASKS.values()) -> tuple[dict, dict]:
     """Each task's metrics from test_model.numpy_forward's log-probabilities, one unpadded
-    sequence at a time: a continuation's tokens are those of encode(context + continuation)
-    after encode(context)'s, the sequence cut to its last block_size + 1 tokens (lm-eval's
-    rule); acc_norm divides by the continuation's characters. Also returned: the acc_norm that
+    sequence at a time: encode(context), then the continuation's tokens, those of
+    encode(context + continuation) after encode(context)'s length, the sequence cut to its last
+    block_size + 1 tokens (lm-eval's rule: a BPE merge across the cut stays out of the
+    context); acc_norm divides by the continuation's characters. Also returned: the acc_norm that
     divides by its tokens instead, which the tests need to differ."""
     from test_model import numpy_forward
 
     def loglik(context, continuation):  # (sum of log p, all greedy, tokens)
         assert context == context.rstrip()  # no trailing space to move
-        whole = encode(context + continuation)
-        n_cont = len(whole) - len(encode(context))
-        whole = whole[-(cfg.block_size + 1):]  # the context's start is cut to fit the model
+        whole, context_ids = encode(context + continuation), encode(context)
+        n_cont = len(whole) - len(context_ids)
+        # the context's start is cut to fit the model
+        whole = (context_ids + whole[len(context_ids):])[-(cfg.block_size + 1):]
         logits = numpy_forward(model, cfg, np.array(whole[:-1]))[:, :V]
         logp = logits - logits.max(-1, keepdims=True)
         logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -268,8 +278,10 @@ def scored_by_hand(model, cfg, encode, V: int, paths=BPE_TASKS.values()) -> tupl
 
 def test_bpe_metrics_as_computed_by_hand_and_by_lm_eval(bpe, monkeypatch):
     """eval.py's acc, acc_norm and ppl with a BPE tokenizer against the numpy computation, and
-    against lm-eval scoring the export with the exported tokenizer. mc6's acc_norm per character
-    (1.0 on this model: its right answers are common words) differs from per token (0.0)."""
+    against lm-eval scoring the export with the exported tokenizer, request by request. mc6's
+    acc_norm per character (1.0 on this model: its right answers are common words) differs from
+    per token (0.0). mc3_split's contexts stop inside a word: the BPE merges across the cut in
+    encode(context + choice), and lm-eval keeps encode(context)'s tokens before the choice's."""
     model, cfg, encode, V, tasks, hf_dir = bpe
     ours = with_eval_py(model, tasks)
     by_hand, per_token = scored_by_hand(model, cfg, encode, V)
@@ -277,9 +289,10 @@ def test_bpe_metrics_as_computed_by_hand_and_by_lm_eval(bpe, monkeypatch):
     for key, value in by_hand.items():
         assert ours[key] == pytest.approx(value, rel=1e-4), key
     assert per_token["mc6/acc_norm"] != by_hand["mc6/acc_norm"]
-    theirs, _ = with_lm_eval(hf_dir, monkeypatch, tasks=BPE_TASKS)
+    theirs, their_lls = with_lm_eval(hf_dir, monkeypatch, tasks=BPE_TASKS)
     assert set(theirs) == set(ours)
     for key in ours:
         assert theirs[key] == pytest.approx(ours[key], rel=1e-4), key
+    same_loglikelihoods(model, tasks, their_lls)
     print(json.dumps({"eval.py": ours, "by hand": by_hand, "per token": per_token,
                       "lm_eval": theirs}))

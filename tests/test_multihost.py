@@ -43,11 +43,13 @@ def multihost(rundir, *args: str) -> list[list[str]]:
 
 
 def records(rundir) -> dict[int, dict]:
-    """metrics.jsonl: step -> the losses logged at that step (train steps and evaluations)."""
+    """metrics.jsonl: step -> the losses and task scores logged at that step (train steps and
+    evaluations)."""
     out = {}
     for line in (rundir / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k.endswith("loss")})
+        out.setdefault(r["step"], {}).update(
+            {k: v for k, v in r.items() if k.endswith("loss") or k.startswith("mc3/")})
     return out
 
 
@@ -74,12 +76,15 @@ def test_mesh_and_batch_rows_per_process():
 @pytest.mark.parametrize("replica", [1, 2])
 def test_two_processes_train_as_one(shakespeare, tmp_path, replica):
     """Two processes x 2 devices and one process x 4 devices, on a 1 x 4 (all FSDP) or a 2 x 2
-    (replica x fsdp) mesh: the same loss at every step and evaluation, and checkpoints that restore
+    (replica x fsdp) mesh: the same loss at every step and evaluation, the same downstream
+    task's scores (each process's rows gathered), and checkpoints that restore
     to the same state. Process 0 alone prints progress and writes the run directory."""
-    mesh = f"--config.mesh_replica={replica}"
+    # a downstream task scored at each evaluation too (its choices need 32 tokens)
+    mesh = [f"--config.mesh_replica={replica}", "--config.eval_tasks=tests/tasks/mc3.jsonl",
+            "--config.block_size=32"]
     one, two = tmp_path / "one", tmp_path / "two"
-    alone = ["launch.py", *TINY, f"--rundir={one}", mesh]
-    r_one, *r_two = run_each([alone, *multihost(two, mesh)], None, 240, [4, 2, 2])
+    alone = ["launch.py", *TINY, f"--rundir={one}", *mesh]
+    r_one, *r_two = run_each([alone, *multihost(two, *mesh)], None, 240, [4, 2, 2])
     for r in (r_one, *r_two):
         assert r.returncode == 0, r.stderr
     assert f"mesh {{'replica': {replica}, 'fsdp': {4 // replica}}}" in r_two[0].stdout
@@ -94,13 +99,14 @@ def test_two_processes_train_as_one(shakespeare, tmp_path, replica):
     a, b = records(one), records(two)
     assert sorted(a) == sorted(b) == list(range(STEPS + 1))
     assert all(a[s].keys() == b[s].keys() for s in a)
+    assert {"mc3/acc", "mc3/acc_norm"} <= a[0].keys() & a[STEPS].keys()
     diffs = [abs(a[s][k] - b[s][k]) for s in a for k in a[s]]
     print(f"mesh {replica} x {4 // replica}: {len(diffs)} losses, "
           f"max |1x4 - 2x2| = {max(diffs):.2e}; "
           f"step {STEPS} loss {a[STEPS]['loss']:.6f} vs {b[STEPS]['loss']:.6f}")
     assert max(diffs) <= 1e-6
 
-    cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), [*TINY[1:], mesh])
+    cfg = configs.apply_overrides(configs.load("shakespeare_char_cpu"), [*TINY[1:], *mesh])
     state_one, state_two = restored(one, cfg), restored(two, cfg)
     assert len(state_one) == len(state_two)
     worst = max(float(np.abs(x - y).max()) for x, y in zip(state_one, state_two))

@@ -12,6 +12,7 @@ import pytest
 
 import data
 import model as M
+import params
 import sample
 from inference import decode
 import train
@@ -327,6 +328,20 @@ def test_an_edit_decoding_does_not_follow_is_refused(run_dir, monkeypatch, capsy
     model = random_gpt(tiny())
     text = decode.preview(model, tiny(), [1, 2, 3], lambda t: "".join(map(str, t)), N_VOCAB)
     assert text.startswith("(no sample: decoding with a KV cache does not give"), text
+
+
+@pytest.mark.parametrize("param", ["sp", "mup"])
+def test_the_cache_check_sees_an_edit_at_step_0(monkeypatch, param):
+    """At init the readout is zero (the loss starts at ln V), every logit 0 in both paths: the
+    check at a run's first evaluation would compare zeros and pass any edit. It checks with a
+    drawn readout instead; the model as initialised, with an edit decoding does not follow, is
+    refused."""
+    window_in_the_default_mask(monkeypatch)
+    cfg = tiny(param=param, n_layer=3)  # another shape than the other tests': jit's cache
+    model = params.init_gpt(cfg, jax.random.key(0))
+    assert not jnp.any(model.embeddings().unembed)
+    with pytest.raises(UsageError, match="decoding with a KV cache does not give"):
+        decode.check_cache(model, cfg, cfg.block_size)
 
 
 def test_the_cache_check_passes_an_unedited_model_in_bfloat16():

@@ -75,8 +75,9 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 def newton_schulz(g_RC: jax.Array, steps: int) -> jax.Array:
     """About U V^T for g = U S V^T: X <- a X + (b A + c A^2) X with A = X X^T, from X = g / |g|_F
     (every singular value <= 1). On the short side's Gram matrix (X^T when R > C): the
-    iteration commutes with the transpose, and the smaller A costs less. float32 throughout
-    (Jordan's runs bfloat16): XLA:CPU's bfloat16 matmuls are slow, and the update stays exact."""
+    iteration commutes with the transpose, and the smaller A costs less. float32 arrays (Jordan's
+    run bfloat16: XLA:CPU's bfloat16 matmuls are slow), at JAX's default matmul precision, which
+    on a GPU or TPU may be TF32 or bfloat16 passes: the iteration is approximate anyway."""
     a, b, c = NS_COEFFS
     tall = g_RC.shape[0] > g_RC.shape[1]
     x = (g_RC.T if tall else g_RC).astype(jnp.float32)

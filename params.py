@@ -145,6 +145,11 @@ def policy_table(model: GPT, cfg: Config, mesh_shape: dict[str, int] | None = No
         if len(policy.spec) != x.ndim:
             raise UsageError(f"params.py: policy_rows gives {name} the sharding {rows[name].spec}, "
                              f"which does not fit its shape {x.shape} (blocks: L in front)")
+        view = rows[name].muon_view  # one layer's axes, as its spec's
+        if cfg.optimizer == "muon" and view and (min(view) < 1 or sum(view) != len(rows[name].spec)):
+            raise UsageError(f"params.py: policy_rows gives {name} the muon_view {view}, which "
+                             f"does not split one layer's {len(rows[name].spec)} axes into rows "
+                             "and columns (Muon would orthogonalise another matrix)")
         for size, axes in zip(x.shape, policy.spec):  # an axis name, a tuple of them, or None
             parts = math.prod((mesh_shape or {}).get(a, 1) for a in jax.tree.leaves(axes))
             if size % parts:

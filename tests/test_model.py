@@ -331,6 +331,13 @@ ROW_MISTAKES = {  # a policy row's mistake, the launch's devices and config, its
                              "params.py: policy_rows shards blocks.attn.q_norm (2, 4) over fsdp's "
                              "8 devices along an axis of 4, which 8 does not divide: give that "
                              "axis None in its spec, or set mesh_replica"),
+    # up's (D, F) seen as D x (F and the next layer's D): Muon would orthogonalise a matrix
+    # across the layers, silently
+    "muon view": ("{**rows(cfg), 'blocks.mlp.up': params.dataclasses.replace("
+                  "rows(cfg)['blocks.mlp.up'], muon_view=(1, 2))}", 1, ["--config.optimizer=muon"],
+                  "params.py: policy_rows gives blocks.mlp.up the muon_view (1, 2), which does not "
+                  "split one layer's 2 axes into rows and columns (Muon would orthogonalise another "
+                  "matrix)"),
 }
 
 

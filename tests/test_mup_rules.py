@@ -71,21 +71,25 @@ def test_attention_logits_are_tau_over_head_dim_as_heads_widen(tau):
         assert sizes["attn_logits"] == pytest.approx(tau, rel=1e-3), (D, cfg.head_dim)
 
 
-def test_first_step_lr_and_adam_eps_follow_mup_and_completep():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_first_step_lr_and_adam_eps_follow_mup_and_completep(optimizer):
     """One Adam step at m = 4, d = 2 with eps near the gradients' size: each entry moves by
     lr * lr_mult * g / (|g| + eps * eps_mult) (Adam's first step, bias-corrected), with lr_mult 1 / m for
     hidden matrices and 1 for vector-like parameters (no depth factor: CompleteP's alpha = 1), and eps_mult
     1 / m outside the blocks and 1 / (m d) inside (their gradients carry the readout's 1 / m and the branch
-    scale 1 / d; Everett et al. 2024, CompleteP)."""
-    cfg = mup_tiny(**M4D2, weight_decay=0.0)
+    scale 1 / d; Everett et al. 2024, CompleteP). Under Muon the parameters other than the hidden
+    matrices take this Adam, rules and all (the hidden ones: test_optimizers' Muon tests)."""
+    cfg = mup_tiny(**M4D2, weight_decay=0.0, optimizer=optimizer)
     m, d = 4, 2
     _, grads, _ = one_step(cfg)
     eps = float(np.median(np.abs(np.concatenate([g.ravel() for g in grads.values()]))))
-    cfg = mup_tiny(**M4D2, weight_decay=0.0, adam_eps=eps)
+    cfg = mup_tiny(**M4D2, weight_decay=0.0, adam_eps=eps, optimizer=optimizer)
     before, grads, after = one_step(cfg)
     assert set(before) == HIDDEN | OUTSIDE_BLOCKS | {"blocks.attn.q_norm", "blocks.attn.k_norm",
                                                       "blocks.attn_norm", "blocks.mlp_norm"}
     for name, g in grads.items():
+        if optimizer == "muon" and name in HIDDEN:
+            continue
         lr_mult = 1 / m if name in HIDDEN else 1.0
         eps_mult = 1 / m if name in OUTSIDE_BLOCKS else 1 / (m * d)
         expected = -cfg.learning_rate * lr_mult * g / (np.abs(g) + eps * eps_mult)

@@ -107,14 +107,16 @@ def evidence_config(name: str, preset: str, overrides: list[str]) -> Config:
     return dataclasses.replace(cfg, mesh_replica=1, kernels=False)
 
 
-def rules() -> dict:
+def rules(optimizer: str = "adamw") -> dict:
     """The rules' fingerprint: every policy row's multipliers and init std, the forward
     multipliers and the LR schedule at a reference shape where no factor is 1 (m = 4, d = 2), as
-    the code computes them now. evidence.json records it: a rule changed in params.py, model.py
-    or optimizers.py's schedule makes the evidence stale (tests/test_mup.py)."""
+    the code computes them now for the evidence's optimizer (Muon's hidden rows are its own).
+    evidence.json records it: a rule changed in params.py, model.py or optimizers.py's schedule
+    makes the evidence stale (tests/test_mup.py)."""
     ref = Config(param="mup", d_model=128, n_head=4, d_base=32, n_layer=4, depth_base=2,
                  vocab_size=65, attn_tau=8.0, alpha_in=2.0, alpha_out=0.5, learning_rate=1e-2,
-                 min_lr=1e-3, warmup_steps=4, max_steps=16, connections="mudd")
+                 min_lr=1e-3, warmup_steps=4, max_steps=16, connections="mudd",
+                 optimizer=optimizer)
     rows = {name: [p.init_std, p.init_mean, p.lr_mult, p.eps_mult, p.decay]
             for name, p in params.policy_rows(ref).items()}
     gpt = eqx.filter_eval_shape(M.GPT, ref)
@@ -201,7 +203,8 @@ def drift(doc: dict) -> float | None:
 def evidence(name: str, overrides: list[str], preset: str, seeds: int, out_text: str,
              now: tuple[str, ...] = tuple(PARTS)) -> None:
     """Every size of the parts `now` not yet in DIR/evidence.json; the files after each."""
-    parts, rules_now = settings(evidence_config(name, preset, overrides), preset, seeds), rules()
+    cfg = evidence_config(name, preset, overrides)
+    parts, rules_now = settings(cfg, preset, seeds), rules(cfg.optimizer)
     out, old = plots.open_out(out_text, parts, rules_now)
     results = old.get("results", {})
     missing = [(p, size) for p, s in parts.items() for size in s["sizes"]

@@ -320,6 +320,27 @@ def test_a_streak_of_skipped_steps_between_two_checks_stops_the_run(skipped, sto
     assert [(s, e[:len(want[0][1])]) for s, e in raised[:1]] == want[:1], raised
 
 
+def test_a_logged_loss_is_the_mean_over_the_applied_steps_since_the_last_log():
+    """loss/batch at a log point: the mean cross-entropy of the steps since the previous log,
+    skipped steps left out (their loss is not finite); grad_norm the last step's; skipped the
+    count so far. A last step off the interval keeps its steps for the next log."""
+    from run.metrics import Tally
+    tally = Tally(tiny(log_interval=4))
+    losses = [5.0, 4.0, np.nan, 3.0, 2.5, 2.0, 1.5, 1.0, 0.5]  # step 3 skipped
+    logged = {}
+    for step, loss in enumerate(losses, 1):
+        tally.on_device.append({"loss": np.float32(loss), "grad_norm": np.float32(step),
+                                "lr": np.float32(0.1), "skipped": np.int32(np.isnan(loss))})
+        if step % 4 == 0 or step == len(losses):
+            logged[step] = tally.record(step)
+    assert logged[4]["loss"] == pytest.approx((5.0 + 4.0 + 3.0) / 3)
+    assert logged[8]["loss"] == pytest.approx((2.5 + 2.0 + 1.5 + 1.0) / 4)
+    assert logged[9]["loss"] == pytest.approx(0.5)
+    assert [logged[s]["grad_norm"] for s in (4, 8, 9)] == [4.0, 8.0, 9.0]
+    assert [logged[s]["skipped"] for s in (4, 8, 9)] == [1, 1, 1]
+    assert tally.state["since_log"] and tally.record(12)["loss"] == pytest.approx(0.5)
+
+
 def test_too_many_nonfinite_steps_stop_the_run_and_keep_a_finite_checkpoint(shakespeare, tmp_path,
                                                                             env):
     """alpha_out=1e39 is inf in float32: every loss is non-finite, so every step is skipped. After

@@ -268,3 +268,33 @@ def test_chunked_loss_is_the_same_loss_in_less_memory():
     for a, b in zip(jax.tree.leaves(grads4), jax.tree.leaves(grads1), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
     assert temp4 < temp1 - logits_bytes, (temp1, temp4, logits_bytes)
+
+
+def test_evaluation_is_the_mean_cross_entropy_of_its_microbatches(shakespeare):
+    """train.evaluate's train_loss and val_loss against numpy: test_model.numpy_forward's
+    cross-entropy (over the padded vocabulary, as training's), averaged over each split's
+    eval_batches microbatches, microbatch i being the batch_size / grad_accum sequences that
+    data.get_batch draws from (seed, the split's stream, i) (docs/data.md). Each microbatch counts
+    once: evaluating the first every time, or dropping one, would differ."""
+    import data
+    from test_model import numpy_forward, random_gpt
+
+    cfg = tiny(grad_accum=2, eval_batches=3)
+    model = random_gpt(cfg)
+    splits = {"train": (data.load_split(cfg, "train"), data.EVAL_TRAIN),
+              "val": (data.load_split(cfg, "val"), data.EVAL_VAL)}
+    got = train.evaluate(model, cfg, splits["train"][0], splits["val"][0], train.make_mesh(cfg))
+    for name, (tokens, stream) in splits.items():
+        per_batch = []
+        for i in range(cfg.eval_batches):
+            x, y = data.get_batch(tokens, cfg.seed, stream, i, cfg.batch_size // cfg.grad_accum,
+                                  cfg.block_size)
+            losses = []
+            for x_T, y_T in zip(x, y):
+                logits = numpy_forward(model, cfg, x_T).astype(np.float64)
+                top = logits.max(-1)
+                lse = top + np.log(np.exp(logits - top[:, None]).sum(-1))
+                losses.append(lse - logits[np.arange(len(y_T)), y_T])
+            per_batch.append(np.mean(losses))
+        assert len(set(per_batch)) == cfg.eval_batches  # distinct microbatches: each one counts
+        assert got[f"{name}_loss"] == pytest.approx(np.mean(per_batch), rel=1e-5), name

@@ -191,14 +191,14 @@ def applied_lr(cfg: Config, opt_state) -> jax.Array:
 
 def check_extension(old: Config, new: Config, step: int) -> None:
     """A WSD run resumed at `step` with another max_steps or decay: allowed while every step taken
-    was before both schedules' decay (the stable phase), where the two agree, so the run resumes
+    (0 to step - 1) had the stable phase's LR under both schedules, where the two agree, so the run resumes
     bitwise as if launched with the new config. Past that, the steps taken had the old decay's
     LRs, the new schedule others: refused."""
     fields = ("max_steps", "decay_fraction", "decay_shape")
     changed = [f"{f}={getattr(new, f)!r} (was {getattr(old, f)!r})" for f in fields
                if getattr(old, f) != getattr(new, f)]
-    start = min(old.decay_start, new.decay_start)
-    if new.schedule == "wsd" and changed and step > start:
+    start = min(old.decay_start, new.decay_start)  # the step `start` still has learning_rate
+    if new.schedule == "wsd" and changed and step > start + 1:
         raise UsageError(f"the checkpoint is at step {step}, past the start of the WSD decay "
                          f"(step {start}): {', '.join(changed)} would change the LR of steps "
                          f"already taken; a WSD run is extended only in its stable phase")

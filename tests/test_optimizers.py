@@ -175,6 +175,25 @@ def test_wsd_schedule_is_its_formula(shape):
     assert [float(optimizers.lr_schedule(constant)(s)) for s in (2, 3, 19, 40)] == [1, 1, 1, 1]
 
 
+@pytest.mark.parametrize("change", [dict(max_steps=40), dict(decay_fraction=0.5),
+                                    dict(decay_shape="1-sqrt")])
+def test_a_wsd_run_extends_exactly_while_the_steps_taken_agree(change):
+    """Resuming at a checkpoint of step k (steps 0 to k - 1 taken) with another max_steps or
+    decay is allowed exactly when the old and the new schedule gave each of those steps the
+    same LR."""
+    old = tiny(schedule="wsd", learning_rate=1.0, min_lr=0.1, warmup_steps=2, max_steps=20,
+               decay_fraction=0.3)
+    new = dataclasses.replace(old, **change)
+    lrs = [[float(optimizers.lr_schedule(c)(t)) for t in range(21)] for c in (old, new)]
+    for k in range(21):
+        try:
+            optimizers.check_extension(old, new, k)
+            allowed = True
+        except UsageError:
+            allowed = False
+        assert allowed == (lrs[0][:k] == lrs[1][:k]), k
+
+
 def test_an_option_of_another_optimizer_or_schedule_is_refused_in_one_line():
     tiny(optimizer="muon", muon_ns_steps=3).check(1)  # its own options are fine
     cases = [(dict(optimizer="lion", adam_eps=1e-6), "adam_eps=1e-06 does not apply to "

@@ -112,11 +112,16 @@ def check_out(out: Path, force: bool, rundir: epath.Path | None = None) -> None:
     """Before the checkpoint is read: an --out that can be written and replaced, never the run."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out={out} is a file: export writes a folder, name another --out")
-    if rundir is not None and "://" not in str(rundir):  # --force replaces out whole
-        run, whole = Path(str(rundir)).resolve(), out.resolve()
-        if whole == run or whole in run.parents or run in whole.parents:
-            raise UsageError(f"--out={out} is, holds or lies in the run directory {rundir}: "
-                             "replacing it could delete the run; name a folder outside it")
+    # --force replaces out whole: never the run, nor this repository's hf/ (it holds a
+    # modeling_mugpt.py, as an export does)
+    kept = {"the run directory": rundir, "the modeling files' source": HF}
+    for what, folder in kept.items():
+        if folder is None or "://" in str(folder):
+            continue
+        whole, keep = out.resolve(), Path(str(folder)).resolve()
+        if whole == keep or whole in keep.parents or keep in whole.parents:
+            raise UsageError(f"--out={out} is, holds or lies in {what} {folder}: replacing it "
+                             "could delete it; name a folder outside it")
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise UsageError(f"--out={out} exists and is not empty: pass --force to replace it")

@@ -200,9 +200,10 @@ class Setup(NamedTuple):
     opt_sharding: object
 
 
-def setup(cfg: Config, mesh: jax.sharding.Mesh) -> Setup:
-    """The initial model and optimizer state, sharded over the mesh, and the train step."""
-    fast = fast_paths.select(cfg, mesh, lambda gpt, x, y: loss_fn(gpt, x, y, cfg))  # as edited
+def setup(cfg: Config, mesh: jax.sharding.Mesh, special_ids: tuple[int, ...] = ()) -> Setup:
+    """The initial model and optimizer state, sharded over the mesh, and the train step.
+    special_ids: the tokenizer's, which the fast paths' check draws among the loss's targets."""
+    fast = fast_paths.select(cfg, mesh, lambda gpt, x, y: loss_fn(gpt, x, y, cfg), special_ids)
     table = policy_table(eqx.filter_eval_shape(GPT, cfg, fast), cfg, mesh.shape)  # init, specs, opt
     model_sharding = jax.tree.map(lambda spec: NamedSharding(mesh, spec), partition_specs(table))
     # drawn onto its shardings: no device holds the whole model (params.init_gpt)
@@ -247,7 +248,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
     encode, decode_text = tokenization.load(meta["tokenizer"])  # once a run: preview and tasks
     eval_tasks = tasks.Tasks(cfg.eval_tasks.split(","), encode, meta["vocab_size"],
                              cfg.block_size) if cfg.eval_tasks else None
-    model, opt_state, step_fn, _, _ = setup(cfg, mesh)
+    model, opt_state, step_fn, _, _ = setup(cfg, mesh, tokenization.special_ids(meta["tokenizer"]))
     with one_line(f"reading the checkpoints in {rundir}"):
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
         start, model, opt_state, saved = resume(mngr, model, opt_state, not debug)

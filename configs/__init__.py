@@ -271,6 +271,13 @@ class Config:
              f"mlp_ratio={self.mlp_ratio} x d_model={self.d_model} rounds to an MLP width of 0"),
             (not 0 <= self.dropout < 1, f"dropout={self.dropout} must be in [0, 1)"),
             (not 0 <= self.seed < 2**31, f"seed={self.seed} must be in [0, 2**31)"),
+            # the step is an int32 in the schedule's jitted math
+            *((getattr(self, f) >= 2**31, f"{f}={getattr(self, f)} must be below 2**31")
+              for f in ("max_steps", "warmup_steps")),
+            # padding past that buys the matmuls nothing and costs a vocabulary's rows of memory
+            (self.vocab_multiple > 4096,
+             f"vocab_multiple={self.vocab_multiple} must be at most 4096 (the padded vocabulary "
+             f"is a multiple of it: GPT-2's 128 makes 50304)"),
             (self.eval_tasks and self.eval_tasks_interval % self.eval_interval,
              f"eval_tasks_interval={self.eval_tasks_interval} is not a multiple of "
              f"eval_interval={self.eval_interval}: tasks are scored at evaluations"),

@@ -102,11 +102,13 @@ class FastPath:
     float32_too: bool = False
 
 
-def select(cfg: Config, mesh: jax.sharding.Mesh | None = None, loss: Callable | None = None
-           ) -> dict[str, Callable]:
+def select(cfg: Config, mesh: jax.sharding.Mesh | None = None, loss: Callable | None = None,
+           special_ids: tuple[int, ...] = ()) -> dict[str, Callable]:
     """{model.py function name: its fast path} for the fast paths that apply and match wherever
     the model calls them, checked on the run's mesh (None: one device). loss(model, x_BT, y_BT):
-    the loss training runs (train.py's loss_fn; None: model.GPT.loss, as train.py calls it)."""
+    the loss training runs (train.py's loss_fn; None: model.GPT.loss, as train.py calls it).
+    special_ids: the tokenizer's (its end-of-text), among the targets wherever they sit: a loss
+    edit keyed on one (no loss on it) must show where it is not at the vocabulary's edge."""
     paths = [path for path in FAST_PATHS if cfg.kernels and path.applies(cfg)]
     calls = calls_in_model(cfg, {path.name for path in paths}, loss or model_loss) if paths else {}
     chosen = {}
@@ -116,7 +118,7 @@ def select(cfg: Config, mesh: jax.sharding.Mesh | None = None, loss: Callable | 
             continue
         problem = None
         for call in calls[path.name]:
-            problem = problem or check_at(path, call, cfg, mesh)
+            problem = problem or check_at(path, call, cfg, mesh, special_ids)
         if problem:
             say(f"kernels: {path.what} set aside, model.{path.name} runs instead: {problem}")
         else:
@@ -236,11 +238,11 @@ def drawn_in(call: Call) -> list[Drawn]:
     return found
 
 
-def check_at(path: FastPath, call: Call, cfg: Config, mesh: jax.sharding.Mesh | None
-             ) -> str | None:
+def check_at(path: FastPath, call: Call, cfg: Config, mesh: jax.sharding.Mesh | None,
+             special_ids: tuple[int, ...] = ()) -> str | None:
     """Why path is not model.py's function at this call of the model, or None."""
     try:
-        arrays, run = batch_on(mesh, cfg, functools.partial(call_example, call))
+        arrays, run = batch_on(mesh, cfg, functools.partial(call_example, call, special_ids))
     except Exception as e:  # an argument of a kind draw() does not know
         return f"the model's arguments could not be drawn ({first_line(e)}); it calls {call}"
     HANDED_BACK.clear()
@@ -259,13 +261,16 @@ def check_at(path: FastPath, call: Call, cfg: Config, mesh: jax.sharding.Mesh | 
     return problem and f"{problem}; the model calls {call}"
 
 
-def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
+def call_example(call: Call, special_ids: tuple[int, ...], cfg: Config, key: jax.Array) -> tuple:
     """(arrays, run) for the check: the call's varying float arrays drawn at random (the inputs
     differentiated), the others drawn once and held constant; run(fn, scale, *arrays) calls fn
     as the model calls it, the inputs times scale."""
     drawn = drawn_in(call)
     keys = jax.random.split(key, max(len(drawn), 1))
-    values = {id(d): draw(d, k, cfg.vocab_size) for d, k in zip(drawn, keys)}
+    ids = special_target_ids(cfg, special_ids)
+    values = {id(d): draw(d, k, cfg.vocab_size, ids) for d, k in zip(drawn, keys)}
+    if call.name == "cross_entropy":
+        confident_targets(call, values, len(ids), cfg.vocab_size)
     inputs = [d for d in drawn if d.varies and jnp.issubdtype(d.dtype, jnp.floating)]
 
     def run(fn, scale, *arrays):
@@ -277,11 +282,20 @@ def call_example(call: Call, cfg: Config, key: jax.Array) -> tuple:
     return tuple(values[id(d)] for d in inputs), run
 
 
-def draw(d: Drawn, key: jax.Array, V: int) -> jax.Array:
+def special_target_ids(cfg: Config, special_ids: tuple[int, ...]) -> list[int]:
+    """The targets every row of the check starts with: the ignore indices -1 and PyTorch's -100
+    (an edit that masks the loss there must show; take_along_axis reads them as V - 1 and
+    V - 100, which the fused loss does too), the vocabulary's edges (agreement.edge_ids), the
+    tokenizer's special ids, and the first padded id (no tokenizer id: a pad target, say)."""
+    padded = [cfg.vocab_size] if cfg.model_vocab > cfg.vocab_size else []
+    torch_ignore = [-100] if cfg.model_vocab >= 100 else []  # else no row it could read
+    return list(dict.fromkeys([-1, *torch_ignore, *edge_ids(cfg.vocab_size), *special_ids,
+                               *padded]))
+
+
+def draw(d: Drawn, key: jax.Array, V: int, first: list[int]) -> jax.Array:
     """Values for an argument. Integers are token ids (the loss's targets), drawn over the whole
-    vocabulary V with its edges (agreement.edge_ids: special tokens) and -1 first in each row:
-    an edit that masks the loss at a negative target (an ignore index) must show, and
-    take_along_axis reads -1 as V - 1, which the fused loss does too."""
+    vocabulary V, each row starting with `first` (special_target_ids)."""
     if jnp.issubdtype(d.dtype, jnp.floating):
         return jax.random.normal(key, d.shape, d.dtype)
     if jnp.issubdtype(d.dtype, jax.dtypes.prng_key):  # a dropout key, say
@@ -289,8 +303,26 @@ def draw(d: Drawn, key: jax.Array, V: int) -> jax.Array:
     if d.dtype == jnp.bool_:
         return jax.random.bernoulli(key, 0.5, d.shape)
     ids = jax.random.randint(key, d.shape, 0, V, d.dtype)
-    edges = jnp.array(([-1] + edge_ids(V))[:d.shape[-1] if d.shape else 0], d.dtype)
+    edges = jnp.array(first[:d.shape[-1] if d.shape else 0], d.dtype)
     return ids.at[..., :len(edges)].set(edges) if d.shape else ids
+
+
+def confident_targets(call: Call, values: dict, n_first: int, V: int) -> None:
+    """Every other target after the first ids set to the drawn readout's likeliest token: drawn
+    apart, a target is almost never the one the logits favour, so a loss that weighs a position
+    by its confidence (a focal loss's (1 - p)^gamma, dropping learned tokens) would equal the
+    plain one, where a trained model's targets often have p > 0.5. Scaling the readout's inputs
+    keeps the argmax: p runs from near uniform to near one over SCALES."""
+    args = call.spec[0]
+    if len(args) != 4 or not all(map(is_drawn, (args[0], args[1], args[3]))):
+        return  # another signature: the check runs on the random targets alone
+    h, w, y = (values[id(args[i])] for i in (0, 1, 3))
+    if h.ndim != 2 or w.ndim != 2 or y.shape != h.shape[:1]:
+        return
+    best = jnp.argmax(jnp.einsum("td,vd->tv", h.astype(jnp.float32),
+                                 w[:V].astype(jnp.float32)), -1).astype(y.dtype)
+    at = jnp.arange(y.shape[0])
+    values[id(args[3])] = jnp.where((at >= n_first) & (at % 2 == 0), best, y)
 
 
 # Why the fast path being checked handed calls to model.py's function (select clears it)

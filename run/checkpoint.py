@@ -76,6 +76,9 @@ def checkpoints_dir(rundir: epath.Path) -> epath.Path:
 def saved_steps(rundir: epath.Path) -> list[int]:
     if not (rundir / "checkpoints").exists():
         return []
+    if not (rundir / "checkpoints").is_dir():
+        raise UsageError(f"{rundir / 'checkpoints'} is a file, where a run keeps its checkpoints' "
+                         "folder: move it, or pass another --rundir")
     return sorted(ocp.path.step.checkpoint_steps(checkpoints_dir(rundir)))  # orbax's: unsorted
 
 

@@ -820,3 +820,15 @@ def test_the_docs_name_every_field_a_resume_may_change():
     there too (the list fell behind once: eval_tasks, wandb_project and WSD's decay were missing)."""
     text = (ROOT / "docs/checkpoints.md").read_text()
     assert not [f for f in configs.RESUMABLE if f"`{f}`" not in text]
+
+
+def test_a_file_where_the_checkpoints_folder_goes_is_one_line(shakespeare, tmp_path, env):
+    """A file named checkpoints in the run directory: one line naming it (a NotADirectoryError's
+    traceback from orbax's listing), and the file is left as it was."""
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    (rundir / "checkpoints").write_text("x")
+    r = run(launch_args(rundir), env)
+    assert_one_line_error(r, f"{rundir / 'checkpoints'} is a file, where a run keeps its "
+                             "checkpoints' folder: move it, or pass another --rundir")
+    assert (rundir / "checkpoints").read_text() == "x"

@@ -19,7 +19,7 @@ from hf import check
 import model as definition
 from inference import decode
 from run import reading
-from conftest import TINY_RUN, document_mask_after_end_of_text, run_each, tiny
+from conftest import ROOT, TINY_RUN, document_mask_after_end_of_text, run_each, tiny
 from run.errors import UsageError
 from test_model import random_gpt
 from test_variants import VARIANTS
@@ -200,6 +200,12 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys):
         with pytest.raises(UsageError, match="is, holds or lies in the run directory .*: replacing"):
             export.export(epath.Path(rundir), out, force=True)
     assert sorted(p.name for p in rundir.iterdir()) == run_files
+    # nor the repository's hf/, which holds a modeling_mugpt.py as an export does
+    source = sorted(p.name for p in export.HF.iterdir())
+    for out in (export.HF, ROOT):
+        with pytest.raises(UsageError, match="is, holds or lies in the modeling files' source"):
+            export.export(epath.Path(rundir), out, force=True)
+    assert sorted(p.name for p in export.HF.iterdir()) == source
     (tmp_path / "f").write_text("")  # --out under a file: refused before the checkpoint is read
     with pytest.raises(UsageError, match="f is not a folder this user can write in"):
         export.export(epath.Path(rundir), tmp_path / "f" / "x")

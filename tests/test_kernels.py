@@ -326,6 +326,44 @@ def test_a_loss_edit_for_one_token_sets_the_fused_loss_aside(monkeypatch, capsys
     assert set(fast) == {"attend", "qk_norm_rope", "gelu"}, err
 
 
+MID_VOCAB_EOS = 4097  # a tokenizer's end-of-text inside the vocabulary (Llama 3's is 128001)
+
+
+def focal(h, w, m, y):
+    """A focal loss, gamma = 2 (Lin et al. 2017): (1 - p)^2 times the cross-entropy."""
+    ce = PLAIN_CROSS_ENTROPY(h, w, m, y)
+    return jnp.square(1 - jnp.exp(-ce)) * ce
+
+
+PLAIN_CROSS_ENTROPY = M.cross_entropy
+TARGET_EDITS = {  # a loss edit keyed on targets the check once never drew
+    "torch-ignore-index": lambda h, w, m, y: jnp.where(y == -100, 0.0,
+                                                       PLAIN_CROSS_ENTROPY(h, w, m, y)),
+    "pad-id": lambda h, w, m, y: jnp.where(y >= 8190, 0.0, PLAIN_CROSS_ENTROPY(h, w, m, y)),
+    "mid-vocab-end-of-text": lambda h, w, m, y: jnp.where(y == MID_VOCAB_EOS, 0.0,
+                                                          PLAIN_CROSS_ENTROPY(h, w, m, y)),
+    "focal-loss": focal}
+
+
+@pytest.mark.parametrize("edit", TARGET_EDITS)
+def test_a_loss_edit_keyed_on_the_target_sets_the_fused_loss_aside(monkeypatch, capsys, edit):
+    """Loss edits a researcher brings from other code: PyTorch's ignore index -100, no loss on a
+    pad id past the tokenizer's (the model's padded rows), none on an end-of-text inside the
+    vocabulary (the tokenizer's special id, which train.py hands the check), and a focal loss,
+    which weighs each position by its confidence (targets drawn apart from the logits are never
+    likely: half the check's are the readout's argmax). The fused loss would train the plain
+    cross-entropy: it is set aside."""
+    fast_paths = every_kernel(monkeypatch)
+    monkeypatch.setattr(fast_paths, "FAST_PATHS",
+                        [p for p in fast_paths.FAST_PATHS if p.name == "cross_entropy"])
+    # d_model 128: a random target's p is near 0, as in a GPT-2-size model; rows 8190, 8191 padded
+    cfg = tiny(compute_dtype="bfloat16", d_model=128, vocab_size=8190)
+    monkeypatch.setattr(M, "cross_entropy", TARGET_EDITS[edit])
+    fast = fast_paths.select(cfg, special_ids=(MID_VOCAB_EOS,))
+    err = capsys.readouterr().err
+    assert not fast and "kernels: the fused readout cross-entropy set aside" in err, err
+
+
 END = "end-of-text"
 
 

@@ -70,6 +70,11 @@ def test_an_optional_field_parses_its_type_or_none():
     # a ZeroDivisionError in check itself
     ("mesh_replica", 0, "mesh_replica=0 must be at least 1"),
     ("dataset", "", "dataset is empty: name a folder of data/"),
+    # an OverflowError from the schedule's jit, a traceback after the run directory was made
+    ("max_steps", 3_000_000_000, "max_steps=3000000000 must be below 2**31"),
+    ("warmup_steps", 2**31, "warmup_steps=2147483648 must be below 2**31"),
+    # an out-of-memory line that advised a smaller microbatch
+    ("vocab_multiple", 10**8, "vocab_multiple=100000000 must be at most 4096"),
 ])
 def test_bad_values_name_the_field(field, value, message):
     cfg = configs.load("shakespeare_char_cpu")

@@ -89,6 +89,12 @@ def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
     return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))
 
 
+def special_ids(record: dict) -> tuple[int, ...]:
+    """The ids a model.py edit may treat apart (no loss on the end-of-text between documents):
+    the fast paths' check draws them among its targets. A character vocabulary has none."""
+    return (record["eos"],) if record.get("eos") is not None else ()
+
+
 def hf_tokenizer(meta: dict):
     """The dataset's tokenizer (meta.json's record) as a transformers fast tokenizer. Special
     tokens written in a text are split as ordinary text (split_special_tokens), as load's

@@ -17,6 +17,7 @@ from etils import epath
 from inference.decode import check_cache, generate, prompt_window
 from run.errors import ArgumentParser, UsageError, out_of_memory
 from run.reading import read_config, read_dataset_record, restore_model, tokenizer
+from text.tokenization import special_ids
 
 
 def read_prompt(start: str) -> str:
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     settings = dict(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                     n_vocab=meta["vocab_size"], top_k=args.top_k, top_p=args.top_p)
     try:
-        check_cache(model, cfg, S)  # an edit of model.py that decoding does not follow: refused
+        check_cache(model, cfg, S, special_ids(meta["tokenizer"]))  # an edit decoding misses
         t0 = time.perf_counter()
         compiled = generate.lower(*inputs, **settings).compile()
         t1 = time.perf_counter()

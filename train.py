@@ -272,7 +272,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
                                   for what in ("loss", "objective")})  # loss/train ...
         tasks.log_in_training(eval_tasks, model, cfg, step, mesh, logger)  # when due
         text = decode.preview(model, cfg, val_tokens[:8].tolist(), decode_text,  # the val start
-                              meta["vocab_size"])
+                              meta["vocab_size"], tokenization.special_ids(meta["tokenizer"]))
         logger.text(step, "sample", f"```\n{text}\n```")  # a markdown code block keeps line breaks
         say(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         return record

@@ -61,11 +61,12 @@ def edge_ids(V: int) -> list[int]:
     return list(dict.fromkeys(i for i in (V - 1, 0, V - 2, 1, 2) if 0 <= i < V))
 
 
-def tokens(T: int, V: int, seed: int = 0) -> np.ndarray:
-    """T token ids for a check: random over the whole vocabulary, with edge_ids a third of the way
-    in, so that the tokens after them show what an edit keyed on them changes."""
+def tokens(T: int, V: int, seed: int = 0, special: tuple[int, ...] = ()) -> np.ndarray:
+    """T token ids for a check: random over the whole vocabulary, with edge_ids and the
+    tokenizer's special ids (its end-of-text, wherever it sits) a third of the way in, so that
+    the tokens after them show what an edit keyed on them changes."""
     ids = np.random.default_rng(seed).integers(0, V, T)
-    edges = edge_ids(V)[:T - T // 3]
+    edges = list(dict.fromkeys([*edge_ids(V), *(i for i in special if 0 <= i < V)]))[:T - T // 3]
     ids[T // 3:T // 3 + len(edges)] = edges
     return ids
 

@@ -45,7 +45,8 @@ def drawn(cfg: Config):
     return eqx.combine(jax.tree.unflatten(tree, leaves), static)
 
 
-def logit_gap(torch_model, model, V: int, block_size: int) -> tuple[float, float]:
+def logit_gap(torch_model, model, V: int, block_size: int, special: tuple[int, ...] = ()
+              ) -> tuple[float, float]:
     """max |PyTorch - JAX| logit and max |JAX logit|, in float32, on a full block and a short
     sequence (in one pass, and the last token by its KV cache as generate decodes), and on the
     full block beside its prefix left-padded, through prepare_inputs_for_generation (generate's
@@ -57,7 +58,7 @@ def logit_gap(torch_model, model, V: int, block_size: int) -> tuple[float, float
     # before an edit made in this process (the tests')
     worst, scale, forward = 0.0, 0.0, eqx.filter_jit(lambda gpt, ids_T: gpt(ids_T))
     for T in (block_size, max(1, block_size // 4)):
-        ids_T = tokens(T, V, seed=T)  # special ids (the vocabulary's edges) among them
+        ids_T = tokens(T, V, seed=T, special=special)  # special ids (the edges' too) among them
         # "highest": float32 matmuls on an accelerator too (TF32 would exceed RTOL)
         with jax.default_matmul_precision("highest"):
             want_TV = np.asarray(forward(model, ids_T))[:, :V]
@@ -99,6 +100,7 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
     leaves = jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array))
     missing = [jax.tree_util.keystr(path)[1:] for path, x in leaves if id(x) not in read]
     V, block_size = config["vocab_size"], config["max_position_embeddings"]
+    special = () if config.get("eos_token_id") is None else (config["eos_token_id"],)
     fresh = drawn(cfg)
     # every array but the norms' gains at 1/64: the stream, queries and keys far below 1, where a
     # norm's epsilon (1e-5 for model.py's 1e-6) shows (at the drawn scale it is below the bound);
@@ -114,7 +116,7 @@ def self_check(model, weights: dict[str, np.ndarray], read: set[int], config: di
                 ("a drawn model at 1/64 but its gains", small, state_dict(small, V)[0], DRAWN_RTOL),
                 ("the run's weights", model, weights, RTOL)):
             torch_model.load_state_dict({k: torch.tensor(v) for k, v in arrays.items()})
-            worst, scale = logit_gap(torch_model, gpt, V, block_size)
+            worst, scale = logit_gap(torch_model, gpt, V, block_size, special)
             differs = f"on {what}, max |PyTorch - JAX| logit {worst:.3g} (bound {rtol * scale:.2g})"
             if not (ok := worst <= rtol * scale):
                 break

@@ -66,7 +66,7 @@ def cached_against_full(model: GPT, tokens_S: jax.Array) -> tuple[jax.Array, jax
         row_error(got_SV, want_SV), row_error(model.logits(x_pD), want_SV[p:p + 1]))
 
 
-def check_cache(model: GPT, cfg: Config, S: int) -> None:
+def check_cache(model: GPT, cfg: Config, S: int, special_ids: tuple[int, ...] = ()) -> None:
     """A UsageError unless decoding with a cache of S gives the model's own logits: an edit of
     model.py that the cached path does not follow (a mask made where attend's mask_TS is None:
     decoding passes its own; learned positions that ignore hidden's start) would sample another
@@ -78,8 +78,8 @@ def check_cache(model: GPT, cfg: Config, S: int) -> None:
     tolerance grows to twice the dtype's own rounding of the logits (against float32's) where that
     is larger: decoding's honest error compounds with depth (1.79e-2 at 1.5B parameters, 48
     layers; at 24 layers x 256 wide half the rounding: BENCHMARKS.md), an edit's is not rounding's
-    size."""
-    tokens_S = jnp.asarray(tokens(S, cfg.vocab_size))  # special tokens among them
+    size. special_ids: the tokenizer's (text/tokenization.special_ids), among the tokens."""
+    tokens_S = jnp.asarray(tokens(S, cfg.vocab_size, special=special_ids))  # the edges' too
     model = with_a_readout(model)
     for dtype in dict.fromkeys(["float32", cfg.compute_dtype]):
         with jax.default_matmul_precision("float32" if dtype == "float32" else None):
@@ -198,13 +198,13 @@ def prompt_window(prompt: list[int], S: int) -> jax.Array:
 
 
 def preview(model: GPT, cfg: Config, prompt: list[int], decode: Callable, n_vocab: int,
-            n: int = 128) -> str:
+            special_ids: tuple[int, ...] = (), n: int = 128) -> str:
     """One short sample for the training log (train.py writes one at each evaluation): the prompt
     and n tokens at temperature 1, drawn with the same key every time, so successive ones show what
     training changed. decode: the run's tokenizer, loaded once by train.py. A model whose cached
     decoding is not its forward (check_cache) gets the reason instead: training goes on."""
     try:
-        check_cache(model, cfg, cfg.block_size)
+        check_cache(model, cfg, cfg.block_size, special_ids)
     except UsageError as e:
         return f"(no sample: {e})"
     prompt_S = prompt_window(prompt, cfg.block_size)

@@ -87,6 +87,24 @@ def tiny(**overrides) -> configs.Config:
     return dataclasses.replace(configs.Config(), **{**base, **overrides})
 
 
+def small_bpe(shakespeare: Path) -> dict:
+    """A dataset record (meta.json's vocab_size and tokenizer) of a byte-level BPE of 400 tokens
+    (GPT-2's pre-tokenizer), trained on tiny-shakespeare's first 200k characters, its
+    end-of-text the first id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([(shakespeare / "input.txt").read_text()[:200_000]], trainer)
+    record = {"kind": "hf", "name": "test-bpe", "eos": tok.token_to_id("<|endoftext|>"),
+              "json": tok.to_str()}
+    return {"vocab_size": tok.get_vocab_size(), "tokenizer": record}
+
+
 def prepare_shakespeare(download: bool = True) -> Path:
     """data/shakespeare_char prepared (from ../shared's copy of the text when the repo has none;
     downloaded only when `download`). Under a file lock: with pytest -n one worker prepares while

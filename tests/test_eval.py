@@ -201,25 +201,14 @@ BPE_TASKS = {"mugpt_mc6": ROOT / "tests/tasks/mc6.jsonl",
 
 @pytest.fixture(scope="module")
 def bpe(shakespeare, tmp_path_factory):
-    """A byte-level BPE of 400 tokens (GPT-2's pre-tokenizer) trained on tiny-shakespeare's first
-    200k characters, a random GPT of that vocabulary (every parameter random: no zero readout),
-    its export, and eval.py's tasks tokenized by it."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from conftest import tiny
+    """A byte-level BPE of 400 tokens (conftest.small_bpe), a random GPT of that vocabulary (every
+    parameter random: no zero readout), its export, and eval.py's tasks tokenized by it."""
+    from conftest import small_bpe, tiny
     from test_model import random_gpt
     from text import tokenization
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator([(shakespeare / "input.txt").read_text()[:200_000]], trainer)
-    record = {"kind": "hf", "name": "test-bpe", "eos": tok.token_to_id("<|endoftext|>"),
-              "json": tok.to_str()}
-    meta = {"vocab_size": tok.get_vocab_size(), "tokenizer": record}
+    meta = small_bpe(shakespeare)
+    record = meta["tokenizer"]
     cfg = tiny(vocab_size=meta["vocab_size"], block_size=32, d_model=32, n_head=2)
     model = random_gpt(cfg)
     hf_dir = tmp_path_factory.mktemp("bpe") / "hf"

@@ -403,6 +403,26 @@ def test_edited_trained_model_is_refused_in_one_line(runs, edit, tmp_path, monke
     assert_refused(e.value.code, out)
 
 
+def test_a_document_mask_after_an_end_of_text_inside_the_vocabulary_is_refused(
+        shakespeare, tmp_path, monkeypatch):
+    """A tokenizer whose end-of-text is inside the vocabulary (Llama 3's 128001), and model.py
+    edited to keep attention within documents closed by it: the unedited modeling file attends
+    across them. The self-check's tokens hold the exported config's eos_token_id, so the export
+    is refused; its random tokens never held that id."""
+    from conftest import small_bpe
+    from fused.agreement import tokens
+    meta = small_bpe(shakespeare)
+    V = meta["vocab_size"]
+    cfg = tiny(vocab_size=V, block_size=32)
+    mid = next(i for i in range(3, V - 2)
+               if i not in tokens(32, V, seed=32) and i not in tokens(8, V, seed=8))
+    meta["tokenizer"]["eos"] = mid
+    document_mask_after_end_of_text(monkeypatch, mid)
+    with pytest.raises(UsageError, match="does not follow model.py"):
+        export.write(random_gpt(cfg), cfg, meta, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
 def edited_modeling_file(tmp_path, monkeypatch, code: str) -> None:
     """export.py's modeling files from a copy of hf/ whose modeling_mugpt.py ends with code: the
     edit is in the file the export writes and loads, as a researcher's would be."""

@@ -344,6 +344,23 @@ def test_the_cache_check_sees_an_edit_at_step_0(monkeypatch, param):
         decode.check_cache(model, cfg, cfg.block_size)
 
 
+def test_the_cache_check_draws_the_tokenizers_end_of_text(monkeypatch):
+    """A document mask after an end-of-text inside the vocabulary (Llama 3's is 128001, no edge
+    id): the check's tokens hold the tokenizer's special ids (sample.py and the preview pass
+    them), so decoding's difference shows. Without them no token of the check is that id, and
+    the edit passes unseen."""
+    from fused.agreement import tokens
+    cfg = tiny(n_layer=3)  # another shape than the other tests': jit's cache
+    S = cfg.block_size
+    mid = next(i for i in range(3, cfg.vocab_size - 2) if i not in tokens(S, cfg.vocab_size))
+    document_mask_after_end_of_text(monkeypatch, mid)
+    jax.clear_caches()
+    model = random_gpt(cfg)
+    decode.check_cache(model, cfg, S)
+    with pytest.raises(UsageError, match="decoding with a KV cache does not give"):
+        decode.check_cache(model, cfg, S, (mid,))
+
+
 def test_the_cache_check_passes_an_unedited_model_in_bfloat16():
     """check_cache runs the model's arrays in float32, then in bfloat16 at its tolerance: a
     bfloat16 model (random, 4 layers, every gain random) that decodes as it trains is not refused

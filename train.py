@@ -246,9 +246,10 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
     train_tokens, val_tokens = data.load_split(cfg, "train"), data.load_split(cfg, "val")
     meta = data.read_meta(cfg)
     encode, decode_text = tokenization.load(meta["tokenizer"])  # once a run: preview and tasks
+    special = tokenization.special_ids(meta["tokenizer"])  # the fast paths' and preview's checks
     eval_tasks = tasks.Tasks(cfg.eval_tasks.split(","), encode, meta["vocab_size"],
                              cfg.block_size) if cfg.eval_tasks else None
-    model, opt_state, step_fn, _, _ = setup(cfg, mesh, tokenization.special_ids(meta["tokenizer"]))
+    model, opt_state, step_fn, _, _ = setup(cfg, mesh, special)
     with one_line(f"reading the checkpoints in {rundir}"):
         mngr = checkpoint_manager(rundir, cfg, read_only=debug)
         start, model, opt_state, saved = resume(mngr, model, opt_state, not debug)
@@ -271,8 +272,7 @@ def train(cfg: Config, rundir: epath.Path, debug: bool = False,
         logger.log(step, record, {f"{split}_{what}": f"{what}/{split}" for split in ("train", "val")
                                   for what in ("loss", "objective")})  # loss/train ...
         tasks.log_in_training(eval_tasks, model, cfg, step, mesh, logger)  # when due
-        text = decode.preview(model, cfg, val_tokens[:8].tolist(), decode_text,  # the val start
-                              meta["vocab_size"], tokenization.special_ids(meta["tokenizer"]))
+        text = decode.preview(model, cfg, val_tokens[:8].tolist(), decode_text, meta["vocab_size"], special)
         logger.text(step, "sample", f"```\n{text}\n```")  # a markdown code block keeps line breaks
         say(f"step {step}: train {record['train_loss']:.4f}, val {record['val_loss']:.4f}")
         return record

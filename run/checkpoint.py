@@ -32,6 +32,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 import configs
+import optimizers
 from configs import Config
 from run.errors import RunError, UsageError
 from model import GPT
@@ -160,7 +161,7 @@ def save_checkpoint(mngr: Checkpoints, step: int, model: GPT, opt_state,
     args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                               tally=ocp.args.JsonSave(copy.deepcopy(tally)),
                               checksums=ocp.args.JsonSave(sums),
-                              config=ocp.args.JsonSave(trained_as(mngr.config)))
+                              config=ocp.args.JsonSave({**trained_as(mngr.config), "step": step}))
     mngr.save(step, args=args, force=True)
 
 
@@ -175,7 +176,7 @@ def restore_checkpoint(mngr: Checkpoints, model: GPT, opt_state,
     step = mngr.latest_step() if step is None else step
     with damage_as_one_line(mngr, step):
         check_fits(mngr, step, target)
-        check_config(mngr, step)
+        check_config(mngr, step, resuming=True)
         jax.tree.map(lambda x: x.delete(), (params, opt_state))
         recorded = (mngr.directory / str(step) / "checksums").exists()  # else an older mugpt's
         items = dict(checksums=ocp.args.JsonRestore()) if recorded else {}
@@ -340,19 +341,20 @@ READ_OTHERWISE = ("compute_dtype", "dataset")
 
 
 def trained_as(cfg: Config) -> dict:
-    """The config a checkpoint records (as JSON reads it back): what its arrays are the model and
-    optimizer state of."""
-    skip = (*configs.RESUMABLE, *READ_OTHERWISE)
-    return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items()
-                                  if k not in skip}))
+    """The config a checkpoint records (as JSON reads it back), whole: what its arrays are the
+    model and optimizer state of, and the schedule they were trained on."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def check_config(mngr: Checkpoints, step: int) -> None:
+def check_config(mngr: Checkpoints, step: int, resuming: bool = False) -> None:
     """A checkpoint whose arrays fit the model but whose config is not this run's (copied from
     another run, or config.json edited: ALiBi's arrays are RoPE's, MHA's with one key/value head
     and SharedKV's with two have the same qkv) is refused in one line naming the fields, never
     read as this run's model. A field one of them lacks (a mugpt of another version) is not
-    compared; a checkpoint saved before configs were recorded is said in a note."""
+    compared; a checkpoint saved before configs were recorded is said in a note. resuming: the
+    training run's own fields too (READ_OTHERWISE), and a WSD schedule changed past its stable
+    phase is refused against the checkpoint's, whatever config.json says now. A checkpoint under
+    another step's name (a copy gone wrong) is damaged: its data and LR would be another step's."""
     path = mngr.directory / str(step) / "config"
     if not path.exists():
         print(f"note: the checkpoint of step {step} records no config (saved by an older mugpt): "
@@ -361,13 +363,19 @@ def check_config(mngr: Checkpoints, step: int) -> None:
         return
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
         saved = checkpointer.restore(path)
-    now = trained_as(mngr.config)
+    if saved.get("step", step) != step:
+        raise Damaged(f"the checkpoint of step {step} is damaged: it holds the checkpoint of step "
+                      f"{saved['step']} (copied under another name)")
+    now, skip = trained_as(mngr.config), (*configs.RESUMABLE, *(() if resuming else READ_OTHERWISE))
     differ = [f"{k}={saved[k]!r} there, {now[k]!r} here" for k in sorted(saved.keys() & now.keys())
-              if saved[k] != now[k]]
+              if k not in skip and saved[k] != now[k]]
     if differ:
         raise UsageError(f"the checkpoint of step {step} is another run's: it was trained with "
                          f"{'; '.join(differ[:3])}{'; ...' if differ[3:] else ''}: move it out "
                          f"of {mngr.directory}, or read it with the config it was trained with")
+    if resuming:  # launch.py checked config.json's schedule, which an edit may have changed
+        schedule = {k: saved[k] for k in ("max_steps", "decay_fraction", "decay_shape") if k in saved}
+        optimizers.check_extension(dataclasses.replace(mngr.config, **schedule), mngr.config, step)
 
 
 class Damaged(RunError):

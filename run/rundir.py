@@ -145,7 +145,8 @@ def open_rundir(path: str | None, config_name: str, cfg: Config, restart: bool =
     rundir = epath.Path(path or f"runs/{config_name}-{time.strftime('%Y%m%d-%H%M%S')}")
     launch = {"argv": sys.argv, "git": git_state(), "code": code_state(),
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    names = ("run.json", "dataset.json", "config.json")
+    # and metrics.jsonl, which the Logger trims to the checkpoint resumed from before the first step
+    names = ("run.json", "dataset.json", "config.json", "metrics.jsonl")
     try:
         if (rundir / "config.json").exists():
             run = resumed(rundir, cfg, launch)

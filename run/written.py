@@ -32,11 +32,15 @@ def files(directory: epath.Path) -> dict[str, epath.Path]:
 
 def record_pending(directory: epath.Path) -> None:
     """Write RECORD into each step being saved: a temporary directory, or on GCS (written in
-    place, marked complete by a commit file) a step directory without that file yet."""
+    place, marked complete by a commit file) a step directory without that file nor RECORD yet.
+    A local step without its commit file is a committed one that lost it (a partial copy): its
+    RECORD, the only check of its tally and metadata, is never written again from its files."""
     if jax.process_index() != 0 or not directory.exists():  # process 0 sees every process's files
         return
+    in_place = str(directory).startswith("gs://")
     for step_dir in directory.iterdir():
-        pending = step_dir.name.isdigit() and not (step_dir / "commit_success.txt").exists()
+        pending = (in_place and step_dir.name.isdigit() and not (step_dir / RECORD).exists()
+                   and not (step_dir / "commit_success.txt").exists())
         if ocp.path.step.TMP_DIR_SUFFIX in step_dir.name or pending:
             record(step_dir)
             # before orbax's rename: a kill between the two leaves a step recorded but not

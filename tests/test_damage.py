@@ -23,7 +23,7 @@ from conftest import tiny
 from run.metrics import Logger
 from test_checkpoint import (STEPS, assert_one_line_error, committed_steps, final_state,
                              launch_args, records, run, tiny_config)
-from run.written import damage, record
+from run.written import damage, record, record_pending
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +126,18 @@ def malformed_step_metadata(ckpt):
     return "its _CHECKPOINT_METADATA is not orbax's metadata of a step"
 
 
+def an_older_step(ckpt):
+    """The step before's checkpoint, whole, under this step's name (a backup copied back to the
+    wrong place): every file as written, but resumed as this step its batches and LR (the
+    optimizer's count) would be another step's."""
+    shutil.rmtree(ckpt)
+    shutil.copytree(ckpt.parent / str(STEPS // 2), ckpt)
+    return f"it holds the checkpoint of step {STEPS // 2} (copied under another name)"
+
+
 @pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, flip_reads_finite,
                                        flip_reads_nonfinite, delete_record, malformed_record,
-                                       malformed_step_metadata])
+                                       malformed_step_metadata, an_older_step])
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_one(
         straight, tmp_path, env, damage_it):
     """The straight run's directory with its last checkpoint damaged, and the same command again:
@@ -270,6 +279,57 @@ def test_a_launch_refused_before_its_first_step_leaves_the_run_as_it_was(straigh
     r = run(launch_args(rundir, f"--config.max_steps={2 * STEPS}"), env)
     assert_one_line_error(r, f"{rundir} holds a run's checkpoints but no config.json: restore")
     assert not (rundir / "config.json").exists() and (rundir / "run.json").read_bytes() == before["run.json"]
+
+
+def test_a_save_never_records_an_older_checkpoint_again(straight, tmp_path):
+    """A committed step that lost its commit file (a partial copy) and whose tally was altered:
+    the record its save wrote still tells, after orbax's hook of the next save ran (it rewrote the
+    record from the files as they were, and the altered tally was then restored without a word)."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    ckpt = epath.Path(rundir / "checkpoints" / str(STEPS // 2))
+    tally = ckpt / "tally" / "metadata"
+    tally.write_text(tally.read_text().replace('"skipped": 0', '"skipped": 7'))
+    (ckpt / "commit_success.txt").unlink()
+    record_pending(ckpt.parent)  # as at each save
+    assert damage(ckpt) == "tally/metadata differs from what was written (CRC32)"
+
+
+def test_a_config_json_edit_is_checked_against_the_checkpoint(straight, tmp_path, env):
+    """config.json edited by hand to compute in bfloat16 (the command line's
+    --config.compute_dtype is refused: the run trained in float32): the checkpoint's own record of
+    its config refuses it in one line, and nothing is written."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    config = json.loads((rundir / "config.json").read_text()) | {"compute_dtype": "bfloat16"}
+    (rundir / "config.json").write_text(json.dumps(config))
+    before = unchanged(rundir)
+    r = run(["launch.py", f"--rundir={rundir}"], env)
+    assert_one_line_error(r, f"the checkpoint of step {STEPS} is another run's: it was trained "
+                             f"with compute_dtype='float32' there, 'bfloat16' here")
+    assert unchanged(rundir) == before and committed_steps(rundir) == [STEPS // 2, STEPS]
+
+
+def test_a_resume_stopped_before_its_first_step_keeps_every_metrics_line(straight, tmp_path, env):
+    """The newest checkpoint away for a moment (a copy still coming back): the launch falls back to
+    the one before, which trims metrics.jsonl to it, and Ctrl-C stops it before its first step
+    (sent the moment the Logger has trimmed: later, a tiny step may finish first). Its lines are
+    all there, for the resume from the newest once it is back."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    (rundir / "checkpoints" / str(STEPS)).rename(tmp_path / "away")
+    before = unchanged(rundir)
+    script = ("import os, signal, sys, time, launch, train\n"
+              "class Sent(train.Logger):\n"
+              "    def __init__(self, *a, **k):\n"
+              "        super().__init__(*a, **k)\n"
+              "        os.kill(os.getpid(), signal.SIGINT)\n"
+              "        time.sleep(0.5)\n"
+              "train.Logger = Sent\n"
+              "launch.main(sys.argv[1:])\n")
+    r = run(["-c", script, *launch_args(rundir, f"--config.max_steps={STEPS}")[1:]], env)
+    assert_one_line_error(r, "interrupted (SIGINT)")
+    assert unchanged(rundir) == before
 
 
 def test_a_checkpoint_of_another_model_is_not_called_damaged(tmp_path):

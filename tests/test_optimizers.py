@@ -218,7 +218,8 @@ WSD = ["--config.schedule=wsd", "--config.min_lr=2e-4"]
 def test_wsd_run_extended_in_its_stable_phase_resumes_bitwise(shakespeare, tmp_path, env):
     """8 steps all stable (decay_fraction 0), then resumed to 16 with the last half decaying:
     the logs and final state of a straight 16-step run of the second config, bitwise. Extending
-    it again once its decay has begun is refused in one line, and nothing is written."""
+    it again once its decay has begun is refused in one line, and nothing is written: given on the
+    command line, or written into config.json (checked against the checkpoint's own record)."""
     straight, rundir = tmp_path / "straight", tmp_path / "run"
     longer = (*WSD, "--config.max_steps=16", "--config.decay_fraction=0.5")
     r = ckpt.run(ckpt.launch_args(straight, *longer), env)
@@ -239,6 +240,14 @@ def test_wsd_run_extended_in_its_stable_phase_resumes_bitwise(shakespeare, tmp_p
     ckpt.assert_one_line_error(r, "the checkpoint is at step 16, past the start of the WSD decay "
                                   "(step 8): max_steps=24 (was 16) would change the LR of steps")
     assert (rundir / "config.json").read_text() == before
+    edited = json.loads(before) | {"max_steps": 24}
+    (rundir / "config.json").write_text(json.dumps(edited))
+    metrics = (rundir / "metrics.jsonl").read_bytes()
+    r = ckpt.run(["launch.py", f"--rundir={rundir}"], env)
+    ckpt.assert_one_line_error(r, "the checkpoint is at step 16, past the start of the WSD decay "
+                                  "(step 8): max_steps=24 (was 16) would change the LR of steps")
+    assert json.loads((rundir / "config.json").read_text()) == edited
+    assert (rundir / "metrics.jsonl").read_bytes() == metrics and ckpt.committed_steps(rundir) == [8, 16]
 
 
 def test_resume_with_another_optimizer_is_one_line(shakespeare, tmp_path, env):

@@ -30,7 +30,7 @@ def read_dataset_record(rundir: epath.Path, cfg: Config) -> dict:
         return data.read_meta(cfg)
     meta = read_json(path)
     try:
-        int(meta["vocab_size"])
+        vocab, ids = int(meta["vocab_size"]), tokenization.size(meta["tokenizer"])
         tokenizer(meta)
     except UsageError:  # tiktoken offline, say: not the file's fault
         raise
@@ -38,6 +38,10 @@ def read_dataset_record(rundir: epath.Path, cfg: Config) -> dict:
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
         raise UsageError(f"{path} is not a dataset record whose tokenizer loads ({why}): copy "
                          f"the dataset's meta.json over it") from None
+    if not ids <= vocab <= cfg.vocab_size:  # the model's rows, the export's: every id has one
+        raise UsageError(f"{path}: vocab_size={vocab} does not lie between its tokenizer's "
+                         f"{ids} ids and the config's vocab_size={cfg.vocab_size}: copy the "
+                         f"dataset's meta.json over it")
     return meta
 
 
@@ -55,11 +59,15 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
     """The model of the run's checkpoint of `step` (default: the latest), on one device: sampling
     needs no mesh and no optimizer state. It runs model.py's functions, no fused kernels."""
     from run import checkpoint  # with orbax, slow to load: bad arguments are reported before it
+    from run.written import SAVED, recorded_steps
 
     # orbax warns of each option a read-only manager overrides
     logging.getLogger("absl").setLevel(logging.ERROR)
     mngr = checkpoint.checkpoint_manager(rundir, cfg, read_only=True)
     steps = sorted(mngr.all_steps())
+    if not steps and (saved := recorded_steps(rundir)):  # lost, not yet to come
+        raise UsageError(f"{rundir} saved checkpoints up to step {max(saved)} ({SAVED}) and none "
+                         f"is left in {mngr.directory}")
     if not steps:
         raise UsageError(f"{rundir} has no checkpoint yet (training writes one every "
                          f"ckpt_interval={cfg.ckpt_interval} steps and at the end)")

@@ -96,6 +96,8 @@ def damage(step_dir: epath.Path) -> str | None:
                           and all(isinstance(x, int) or x is None for x in v) and v[0] is not None)
     if not isinstance(written, dict) or not all(map(shape_ok, written.values())):
         return f"its {RECORD} is unreadable (not {{file: [size, CRC32]}})"
+    if not written:  # every save writes files: a record of none is not a save's
+        return f"its {RECORD} lists no files"
     have = files(step_dir)
     for name, (size, crc) in written.items():
         if name not in have:

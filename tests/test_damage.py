@@ -118,6 +118,13 @@ def malformed_record(ckpt):
     return "its written.json is unreadable (not {file: [size, CRC32]})"
 
 
+def empty_record(ckpt):
+    """A record of no files is no save's (it read as intact, and the missing arrays then blamed
+    model.py, stopping the resume instead of falling back)."""
+    (ckpt / "written.json").write_text("{}")
+    return "its written.json lists no files"
+
+
 def malformed_step_metadata(ckpt):
     """orbax's own metadata of the step (handlers, commit time: not in the record, orbax writes it
     after), JSON of another shape: the manager read it for every step when it started, and stopped
@@ -136,7 +143,7 @@ def an_older_step(ckpt):
 
 
 @pytest.mark.parametrize("damage_it", [truncate, delete, alter_metadata, flip_reads_finite,
-                                       flip_reads_nonfinite, delete_record, malformed_record,
+                                       flip_reads_nonfinite, delete_record, malformed_record, empty_record,
                                        malformed_step_metadata, an_older_step])
 def test_a_damaged_checkpoint_is_set_aside_and_the_run_resumes_from_the_intact_one(
         straight, tmp_path, env, damage_it):
@@ -622,10 +629,20 @@ def bad_tokenizer(rundir):
     return f"{rundir / 'dataset.json'} is not a dataset record whose tokenizer loads"
 
 
+def fewer_ids(rundir):
+    """A vocab_size below its tokenizer's: the export cut the readout to it, and its tokenizer
+    then gave ids the model had no row for."""
+    meta = json.loads((rundir / "dataset.json").read_text())
+    ids, meta["vocab_size"] = meta["vocab_size"], 40
+    (rundir / "dataset.json").write_text(json.dumps(meta))
+    return f"{rundir / 'dataset.json'}: vocab_size=40 does not lie between its tokenizer's {ids} ids"
+
+
 @pytest.mark.parametrize("tool,fault", [("launch", bad_run_json), ("sample", bad_dataset_json),
                                         ("launch --config", bad_dataset_json),
                                         ("launch --config", emptied_dataset_json),
-                                        ("eval", bad_tokenizer), ("export", bad_tokenizer)])
+                                        ("eval", bad_tokenizer), ("export", bad_tokenizer),
+                                        ("export", fewer_ids)])
 def test_a_bad_run_record_is_one_line_naming_the_file(straight, tmp_path, env, tool, fault):
     rundir = tmp_path / "run"
     shutil.copytree(straight[0], rundir)

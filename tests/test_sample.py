@@ -251,6 +251,9 @@ def test_bad_input_is_one_line(run_dir, tmp_path):
     assert error_line([f"--rundir={run_dir}", "--step=7"]) == f"error: --step=7: {run_dir} has checkpoints of steps 5, 10 only"
     (tmp_path / "config.json").write_text((run_dir / "config.json").read_text())  # a run without a checkpoint
     assert error_line([f"--rundir={tmp_path}"]).startswith(f"error: {tmp_path} has no checkpoint yet")
+    (tmp_path / "checkpoints.json").write_text('{"saved": [5, 10]}')  # a run whose checkpoints are gone
+    assert error_line([f"--rundir={tmp_path}"]).startswith(
+        f"error: {tmp_path} saved checkpoints up to step 10 (checkpoints.json) and none is left")
 
 
 def test_a_prompt_of_no_tokens_is_refused(run_dir, monkeypatch):

@@ -89,6 +89,17 @@ def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
     return (lambda text: enc.encode_ordinary(text)), (lambda ids: enc.decode(list(ids)))
 
 
+def size(record: dict) -> int:
+    """How many ids the tokenizer can give: one more than its largest."""
+    if record["kind"] == "char":
+        return len(record["chars"])
+    if record["kind"] == "hf":
+        from tokenizers import Tokenizer
+
+        return max(Tokenizer.from_str(record["json"]).get_vocab().values()) + 1
+    return encoding(record["encoding"]).n_vocab
+
+
 def special_ids(record: dict) -> tuple[int, ...]:
     """The ids a model.py edit may treat apart (no loss on the end-of-text between documents):
     the fast paths' check draws them among its targets. A character vocabulary has none."""

@@ -199,6 +199,11 @@ def resume(mngr: Checkpoints, model: GPT, opt_state, set_aside: bool = True
     of the run they hold."""
     first, found = jax.process_index() == 0, (0, model, opt_state, None)
     rundir = mngr.directory.parent
+    listed = list(mngr.directory.iterdir()) if mngr.directory.exists() else []
+    # orbax lists folders only: a file (or a link to nothing) under a step's name would be saved over
+    if stray := [p for p in listed if p.name.isdigit() and not p.is_dir()]:
+        raise UsageError(f"{stray[0]} is not a checkpoint's folder (a file, or a link to nothing): "
+                         f"move it out of {mngr.directory}; the run would save its step over it")
     steps, recorded = sorted(mngr.all_steps(), reverse=True), recorded_steps(rundir)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices("mugpt: checkpoints listed")  # before any rename

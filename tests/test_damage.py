@@ -339,6 +339,20 @@ def test_a_resume_stopped_before_its_first_step_keeps_every_metrics_line(straigh
     assert unchanged(rundir) == before
 
 
+def test_a_file_under_a_steps_name_is_one_line_and_kept(straight, tmp_path, env):
+    """A file (notes, say) named as a step the run has yet to save: orbax lists folders only, and
+    the save of that step replaced it without a word."""
+    rundir = tmp_path / "run"
+    shutil.copytree(straight[0], rundir)
+    (rundir / "checkpoints" / str(2 * STEPS)).write_text("my notes")
+    before = unchanged(rundir)
+    r = run(launch_args(rundir, f"--config.max_steps={2 * STEPS}"), env)
+    assert_one_line_error(r, f"{rundir / 'checkpoints' / str(2 * STEPS)} is not a checkpoint's "
+                             f"folder (a file, or a link to nothing): move it out")
+    assert unchanged(rundir) == before
+    assert (rundir / "checkpoints" / str(2 * STEPS)).read_text() == "my notes"
+
+
 def test_a_checkpoint_of_another_model_is_not_called_damaged(tmp_path):
     """An intact checkpoint that another model.py cannot take keeps its one line (naming the arrays)
     and its name."""

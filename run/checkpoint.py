@@ -36,7 +36,7 @@ import optimizers
 from configs import Config
 from run.errors import RunError, UsageError
 from model import GPT
-from run.written import (SAVED, damage, files, record_pending, recorded_steps,
+from run.written import (SAVED, all_gone, damage, files, record_pending, recorded_steps,
                          step_metadata_damage)
 
 
@@ -243,10 +243,9 @@ def resume(mngr: Checkpoints, model: GPT, opt_state, set_aside: bool = True
         raise NothingToResume(f"no intact checkpoint in {mngr.directory}, only damaged ones "
                               f"({', '.join(sorted(damaged))}): copy them back from elsewhere, "
                               f"or delete them and pass --restart to train from step 0")
-    if not found[0] and recorded:
-        raise NothingToResume(f"{rundir} saved checkpoints up to step {max(recorded)} ({SAVED}) "
-                              f"and none is left in {mngr.directory}: copy them back, or pass "
-                              f"--restart to train it again from step 0")
+    if not found[0] and (gone := all_gone(rundir, mngr.directory)):
+        raise NothingToResume(f"{gone}: copy them back, or pass --restart to train it again from "
+                              f"step 0")
     if first:
         say_dropped(rundir, found[0])
     return found

@@ -59,15 +59,14 @@ def restore_model(rundir: epath.Path, cfg: Config, step: int | None) -> tuple[GP
     """The model of the run's checkpoint of `step` (default: the latest), on one device: sampling
     needs no mesh and no optimizer state. It runs model.py's functions, no fused kernels."""
     from run import checkpoint  # with orbax, slow to load: bad arguments are reported before it
-    from run.written import SAVED, recorded_steps
+    from run.written import all_gone
 
     # orbax warns of each option a read-only manager overrides
     logging.getLogger("absl").setLevel(logging.ERROR)
     mngr = checkpoint.checkpoint_manager(rundir, cfg, read_only=True)
     steps = sorted(mngr.all_steps())
-    if not steps and (saved := recorded_steps(rundir)):  # lost, not yet to come
-        raise UsageError(f"{rundir} saved checkpoints up to step {max(saved)} ({SAVED}) and none "
-                         f"is left in {mngr.directory}")
+    if not steps and (gone := all_gone(rundir, mngr.directory)):  # lost, not yet to come
+        raise UsageError(gone)
     if not steps:
         raise UsageError(f"{rundir} has no checkpoint yet (training writes one every "
                          f"ckpt_interval={cfg.ckpt_interval} steps and at the end)")

@@ -61,6 +61,14 @@ def recorded_steps(rundir: epath.Path) -> list[int]:
     return saved
 
 
+def all_gone(rundir: epath.Path, directory: epath.Path) -> str | None:
+    """What to say of a run whose saved steps (SAVED) are none of them left in directory; None for
+    a run that saved none (the caller has found none in directory)."""
+    if saved := recorded_steps(rundir):
+        return f"{rundir} saved checkpoints up to step {max(saved)} ({SAVED}) and none is left in {directory}"
+    return None
+
+
 def remember(rundir: epath.Path, step: int) -> None:
     """Add step to SAVED, written aside and renamed into place: a kill never leaves half of it."""
     steps = sorted(set(recorded_steps(rundir)) | {step})

@@ -41,7 +41,7 @@ def for_documents(name: str) -> tuple[dict, int, Callable[[str], list[int]]]:
     if name == "gpt2":
         enc = encoding(name)
         record = {"kind": "tiktoken", "encoding": name, "eos": enc.eot_token}
-        return record, enc.n_vocab, lambda text: enc.encode_ordinary(text) + [enc.eot_token]
+        return record, size(record), lambda text: enc.encode_ordinary(text) + [enc.eot_token]
     from tokenizers import Tokenizer
 
     try:
@@ -63,8 +63,7 @@ def for_documents(name: str) -> tuple[dict, int, Callable[[str], list[int]]]:
         tok.encode_special_tokens = True
         return tok.encode(text).ids + [vocab[eos]]
 
-    # the ids reach the largest in the vocabulary, which get_vocab_size (a count) may not
-    return record, max(tok.get_vocab_size(), max(vocab.values()) + 1), encode
+    return record, size(record), encode
 
 
 def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
@@ -90,13 +89,15 @@ def load(record: dict) -> tuple[Callable[[str], list[int]], Callable[[list[int]]
 
 
 def size(record: dict) -> int:
-    """How many ids the tokenizer can give: one more than its largest."""
+    """How many ids the tokenizer can give (a dataset's vocab_size): one more than its largest."""
     if record["kind"] == "char":
         return len(record["chars"])
     if record["kind"] == "hf":
         from tokenizers import Tokenizer
 
-        return max(Tokenizer.from_str(record["json"]).get_vocab().values()) + 1
+        tok = Tokenizer.from_str(record["json"])
+        # the ids reach the largest in the vocabulary, which get_vocab_size (a count) may not
+        return max(tok.get_vocab_size(), max(tok.get_vocab().values()) + 1)
     return encoding(record["encoding"]).n_vocab
 
 

@@ -492,6 +492,11 @@ def quiet_failed_saves() -> None:
     post = asyncio.BaseEventLoop.call_soon_threadsafe
     if not getattr(post, "quiet", False):
         def call_soon_threadsafe(loop, *args, **kwargs):
-            return None if loop.is_closed() else post(loop, *args, **kwargs)
+            try:  # not a test of is_closed() first: the loop may close between it and the call
+                return post(loop, *args, **kwargs)
+            except RuntimeError:
+                if loop.is_closed():
+                    return None
+                raise
         call_soon_threadsafe.quiet = True
         asyncio.BaseEventLoop.call_soon_threadsafe = call_soon_threadsafe
